@@ -1,0 +1,209 @@
+"""The ``bmoe`` command line: run, demo and make-tiny.
+
+Every bmoe error ends as one line on stderr and exit status 1; no traceback reaches a user for a
+bad file or flag. Text goes to stdout as it is generated; summaries go to stderr (or, with
+``--json``, one JSON object to stdout instead of both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+from bmoe.engine.config import MiB, RunConfig
+from bmoe.errors import BmoeError
+
+DEMO_PROMPT = "The quick brown fox jumps over the lazy dog. Streaming experts from disk:"
+
+
+def _run_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="generate text from a MoE GGUF (greedy)")
+    p.add_argument("-m", "--model", required=True, help="GGUF file (shard 1 of a split set)")
+    p.add_argument("-p", "--prompt", required=True)
+    p.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--stream", dest="mode", action="store_const", const="stream",
+                      help="read routed experts from disk on demand (default)")
+    mode.add_argument("--resident", dest="mode", action="store_const", const="resident",
+                      help="plain llama.cpp: the whole file mapped, nothing streamed")
+    p.add_argument("--io-threads", type=int, default=2, help="I/O lanes for expert reads")
+    p.add_argument("--no-odirect", action="store_true", help="buffered reads instead of O_DIRECT")
+    p.add_argument("--cache-mb", type=float, default=0, help="expert cache budget in MiB (0 = off)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="compute threads")
+    p.add_argument("-c", "--ctx", type=int, default=2048, help="context length")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.set_defaults(mode="stream", func=_cmd_run)
+
+
+def _demo_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="make a synthetic MoE once, run it resident and streamed")
+    p.add_argument("-n", "--n-predict", type=int, default=32)
+    p.add_argument("--dir", type=Path, default=None, help="where to keep the demo model")
+    p.set_defaults(func=_cmd_demo)
+
+
+def _tiny_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("make-tiny", help="write a small random MoE GGUF (tests, measurements)")
+    p.add_argument("out", type=Path)
+    p.add_argument("--arch", default="qwen3moe", choices=("qwen3moe", "qwen2moe", "gemma4"))
+    p.add_argument("--type", dest="wtype", default="f32", choices=("f32", "f16", "q8_0"))
+    p.add_argument("--shards", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--embd", type=int, default=128)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--used", type=int, default=2)
+    p.add_argument("--ff", type=int, default=64)
+    p.set_defaults(func=_cmd_make_tiny)
+
+
+def _config(args: argparse.Namespace) -> RunConfig:
+    return RunConfig(
+        mode=args.mode,
+        io_threads=args.io_threads,
+        odirect=not args.no_odirect,
+        n_threads=args.threads,
+        n_ctx=args.ctx,
+        cache_bytes=int(args.cache_mb * MiB),
+    ).validate()
+
+
+async def _generate(model: Path, config: RunConfig, prompt: str, n: int, echo: bool) -> dict:
+    from bmoe.engine.session import Session
+
+    with Session.open(model, config) as session:
+        tokens: list[int] = []
+        parts: list[str] = []
+        async for piece in session.stream(prompt, n):
+            if piece.token is not None:
+                tokens.append(piece.token)
+            parts.append(piece.text)
+            if echo:
+                sys.stdout.write(piece.text)
+                sys.stdout.flush()
+        stats = session.last_stats
+        assert stats is not None
+        return {
+            "text": "".join(parts),
+            "tokens": tokens,
+            "n_tokens": len(tokens),
+            "io_fallback_reason": session.io_fallback_reason,
+            **stats.as_dict(),
+        }
+
+
+def _summary(r: dict) -> str:
+    def num(v: float | None, fmt: str) -> str:
+        return "unmeasured" if v is None else format(v, fmt)
+
+    line = f"[{r['mode']}] {r['n_tokens']} tokens, {num(r['tok_per_s'], '.2f')} tok/s"
+    if r["mode"] == "stream":
+        line += (
+            f", experts read {r['experts_read']}, {r['bytes_read'] / MiB:.1f} MiB read"
+            f", read {num(r['read_mib_per_s'], '.0f')} MiB/s per lane ({r['io_mode']})"
+        )
+        if r["io_fallback_reason"]:
+            line += f" [O_DIRECT off: {r['io_fallback_reason']}]"
+    return line
+
+
+def _run_async(coro):  # noqa: ANN001, ANN202
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    config = _config(args)
+    result = _run_async(_generate(args.model, config, args.prompt, args.n_predict, not args.json))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print()
+        print(_summary(result), file=sys.stderr)
+    return 0
+
+
+def _cmd_make_tiny(args: argparse.Namespace) -> int:
+    from bmoe.synth.tiny import TinySpec, write_tiny
+
+    spec = TinySpec(arch=args.arch, wtype=args.wtype, n_layer=args.layers, n_embd=args.embd,
+                    n_expert=args.experts, n_expert_used=args.used, n_ff=args.ff, seed=args.seed,
+                    shards=args.shards)
+    paths = _write_with_progress(args.out, spec)
+    print(paths[0])
+    return 0
+
+
+def _write_with_progress(out: Path, spec) -> list[Path]:  # noqa: ANN001
+    from tqdm import tqdm
+
+    from bmoe.synth.tiny import write_tiny
+
+    with tqdm(total=None, unit="B", unit_scale=True, desc=f"writing {out.name}", file=sys.stderr) as bar:
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        return write_tiny(out, spec, progress)
+
+
+def _demo_dir(arg: Path | None) -> Path:
+    if arg is not None:
+        return arg
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "bmoe"
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from bmoe.synth.tiny import TinySpec
+
+    spec = TinySpec(arch="qwen3moe", wtype="f16", n_layer=8, n_embd=1024, n_expert=32,
+                    n_expert_used=4, n_ff=512, seed=1)
+    folder = _demo_dir(args.dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    model = folder / "demo-qwen3moe-f16.gguf"
+    if not model.exists():
+        print(f"making the demo model once: {model}", file=sys.stderr)
+        tmp = model.with_suffix(".partial.gguf")
+        _write_with_progress(tmp, spec)
+        tmp.replace(model)
+    print(f"demo model: {model} ({model.stat().st_size / MiB:.0f} MiB). Its weights are random, "
+          "so the text is gibberish: what matters is that both runs print the same bytes.\n")
+    results = {}
+    for mode in ("resident", "stream"):
+        config = RunConfig(mode=mode).validate()
+        r = _run_async(_generate(model, config, DEMO_PROMPT, args.n_predict, False))
+        results[mode] = r
+        print(f"{mode:>8}: {r['text']!r}")
+        print(f"          {_summary(r)}")
+    same = results["resident"]["tokens"] == results["stream"]["tokens"]
+    print("\nidentical tokens: " + ("yes" if same else "NO (this is a bug; please report it)"))
+    return 0 if same else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bmoe", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _run_parser(sub)
+    _demo_parser(sub)
+    _tiny_parser(sub)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except BmoeError as exc:
+        print(f"bmoe: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("bmoe: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

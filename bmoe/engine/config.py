@@ -1,0 +1,48 @@
+"""RunConfig: every knob of a run as one validated value object."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+from bmoe.errors import ConfigError
+
+Mode = Literal["stream", "resident"]
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    mode: Mode = "stream"
+    io_threads: int = 2
+    odirect: bool = True
+    n_threads: int | None = None  # None: every core this process may run on
+    n_ctx: int = 2048
+    cache_bytes: int = 0  # 0 = cache off: every routed expert is read every time it is used
+    cache_policy: str = "lru"
+    # Resident mode only: install the eval callback that filters nodes but streams nothing, to
+    # measure what the callback itself costs.
+    eval_filter: bool = False
+
+    def validate(self) -> RunConfig:
+        if self.mode not in ("stream", "resident"):
+            raise ConfigError(f"mode must be 'stream' or 'resident', got {self.mode!r}")
+        if not 1 <= self.io_threads <= 64:
+            raise ConfigError(f"io_threads must be 1..64, got {self.io_threads}")
+        if self.n_threads is not None and not 1 <= self.n_threads <= 512:
+            raise ConfigError(f"n_threads must be 1..512, got {self.n_threads}")
+        if not 16 <= self.n_ctx <= 1 << 20:
+            raise ConfigError(f"n_ctx must be 16..1048576, got {self.n_ctx}")
+        if self.cache_bytes < 0:
+            raise ConfigError(f"cache budget must be >= 0, got {self.cache_bytes}")
+        if self.eval_filter and self.mode != "resident":
+            raise ConfigError("eval_filter measures the callback alone and needs mode='resident'")
+        return self
+
+    @property
+    def threads(self) -> int:
+        return self.n_threads or max(1, len(os.sched_getaffinity(0)))
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)

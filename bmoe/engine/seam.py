@@ -1,0 +1,123 @@
+"""The llama.cpp seam: model, context, tokens and logits through llama-cpp-python's low-level API.
+
+Everything bmoe asks of llama.cpp goes through this module, so a pin bump has one place to review
+(third_party/llama.cpp/SEAM.md lists the contract). Failure codes become LlamaCallError here.
+The model is loaded in mmap mode with ``use_extra_bufts=False``: expert weights must keep the
+gguf layout, because their bytes are read straight from the file into rebound memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+
+from bmoe.engine.callback import EvalCallback
+from bmoe.errors import DecodeAbortedError, LlamaCallError
+
+LOAD_MODE_MMAP = 1
+GGML_LOG_LEVEL_ERROR = 4
+
+
+@cache
+def _llama():  # noqa: ANN202 - the llama_cpp module, imported on first use, never at bmoe import
+    import llama_cpp
+
+    llama_cpp.llama_backend_init()
+    llama_cpp.llama_log_set(_quiet_log, None)
+    return llama_cpp
+
+
+def _drop_below_error(level: int, text: bytes | None, _user: int | None) -> None:
+    if level >= GGML_LOG_LEVEL_ERROR and text:
+        os.write(2, text)
+
+
+_quiet_log = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(_drop_below_error)
+# The default load progress callback prints dots to stderr; bmoe reports progress its own way.
+_no_progress = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_float, ctypes.c_void_p)(lambda _p, _u: True)
+
+
+class LlamaModel:
+    """A loaded model and one context on it, with bmoe's callbacks installed."""
+
+    def __init__(self, path: Path, *, n_ctx: int, n_threads: int, callback: EvalCallback) -> None:
+        lib = _llama()
+        self._lib = lib
+        self.callback = callback
+        mparams = lib.llama_model_default_params()
+        mparams.n_gpu_layers = 0
+        mparams.use_extra_bufts = False
+        mparams.load_mode = LOAD_MODE_MMAP
+        mparams.progress_callback = _no_progress
+        self.model = lib.llama_model_load_from_file(str(path).encode(), mparams)
+        if not self.model:
+            raise LlamaCallError(f"llama.cpp could not load {path}")
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = cparams.n_ubatch = min(512, n_ctx)
+        cparams.n_threads = cparams.n_threads_batch = n_threads
+        cparams.cb_eval = callback.c_eval
+        cparams.cb_eval_user_data = None
+        cparams.abort_callback = callback.c_abort
+        cparams.abort_callback_data = None
+        cparams.no_perf = True
+        self.ctx = lib.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            lib.llama_model_free(self.model)
+            raise LlamaCallError(f"llama.cpp could not create a context (n_ctx={n_ctx}) for {path}")
+        self.vocab = lib.llama_model_get_vocab(self.model)
+        self.n_vocab = lib.llama_vocab_n_tokens(self.vocab)
+        self.n_ctx = lib.llama_n_ctx(self.ctx)
+        self.n_batch = cparams.n_batch
+        self._piece_buf = ctypes.create_string_buffer(256)
+
+    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (ctypes.c_int32 * cap)()
+        n = self._lib.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, False)
+        if n < 0:
+            raise LlamaCallError(f"tokenization needs {-n} tokens, more than expected")
+        return list(buf[:n])
+
+    def piece(self, token: int) -> bytes:
+        n = self._lib.llama_token_to_piece(self.vocab, token, self._piece_buf, 256, 0, False)
+        if n < 0:
+            raise LlamaCallError(f"token {token} has a piece longer than 256 bytes")
+        return self._piece_buf.raw[:n]
+
+    def is_end(self, token: int) -> bool:
+        return bool(self._lib.llama_vocab_is_eog(self.vocab, token))
+
+    def clear_memory(self) -> None:
+        self._lib.llama_memory_clear(self._lib.llama_get_memory(self.ctx), True)
+
+    def decode(self, tokens: list[int]) -> None:
+        """Run one batch (blocking: call it on the compute thread). Logits only for the last token."""
+        arr = (ctypes.c_int32 * len(tokens))(*tokens)
+        batch = self._lib.llama_batch_get_one(arr, len(tokens))
+        rc = self._lib.llama_decode(self.ctx, batch)
+        if self.callback.error is not None:
+            raise self.callback.error
+        if rc == 2:
+            raise DecodeAbortedError("decode aborted")
+        if rc != 0:
+            raise LlamaCallError(f"llama_decode returned {rc}")
+
+    def logits(self) -> np.ndarray:
+        ptr = self._lib.llama_get_logits_ith(self.ctx, -1)
+        if not ptr:
+            raise LlamaCallError("llama.cpp returned no logits")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+    def close(self) -> None:
+        if self.ctx:
+            self._lib.llama_free(self.ctx)
+            self.ctx = None
+        if self.model:
+            self._lib.llama_model_free(self.model)
+            self.model = None

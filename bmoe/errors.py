@@ -1,0 +1,94 @@
+"""Every failure bmoe reports, as one tree.
+
+Adapters map foreign errors (OSError, llama.cpp return codes, gguf-py parse errors) to these
+classes at their own edge, so a caller needs to catch only ``BmoeError``, and the CLI can turn any
+of them into a one-line message and exit status 1.
+
+    BmoeError
+    +-- ModelFileError            the GGUF cannot be used as given (checked before llama.cpp sees it)
+    |   +-- NotGGUFError          wrong magic, or too short to hold a header
+    |   +-- GGUFVersionError      a GGUF version this pin does not read
+    |   +-- TruncatedFileError    the header, index or tensor data run past the end of the file
+    |   +-- MissingKeyError       a metadata key the architecture needs is absent
+    |   +-- ExpertLayoutError     expert tensors absent, or with shapes that disagree
+    |   +-- MissingShardError     a shard of a split set is absent, or the set is opened mid-way
+    +-- UnsupportedArchitectureError   no recipe for the file's architecture
+    +-- SeamError                 llama.cpp does not behave as the seam contract says
+    |   +-- SeamMismatchError     the ctypes mirror of ggml_tensor disagrees with libggml
+    |   +-- LlamaCallError        a llama.cpp call returned a failure code
+    +-- ReadError                 an expert read failed or came back short
+    +-- BudgetError               a memory budget that cannot be honoured
+    +-- ConfigError               a RunConfig value out of range
+    +-- DecodeAbortedError        a decode was stopped; its tokens were not emitted
+        +-- GenerationCancelled   the caller cancelled the generation
+"""
+
+from __future__ import annotations
+
+
+class BmoeError(Exception):
+    """Base of every error bmoe raises on purpose."""
+
+
+class ModelFileError(BmoeError):
+    """The model file cannot be used as given."""
+
+
+class NotGGUFError(ModelFileError):
+    pass
+
+
+class GGUFVersionError(ModelFileError):
+    pass
+
+
+class TruncatedFileError(ModelFileError):
+    pass
+
+
+class MissingKeyError(ModelFileError):
+    pass
+
+
+class ExpertLayoutError(ModelFileError):
+    pass
+
+
+class MissingShardError(ModelFileError):
+    pass
+
+
+class UnsupportedArchitectureError(BmoeError):
+    pass
+
+
+class SeamError(BmoeError):
+    """llama.cpp, as loaded, breaks an assumption the streaming path depends on."""
+
+
+class SeamMismatchError(SeamError):
+    pass
+
+
+class LlamaCallError(SeamError):
+    pass
+
+
+class ReadError(BmoeError):
+    pass
+
+
+class BudgetError(BmoeError):
+    pass
+
+
+class ConfigError(BmoeError):
+    pass
+
+
+class DecodeAbortedError(BmoeError):
+    """The decode was aborted; the token it would have produced is discarded."""
+
+
+class GenerationCancelled(DecodeAbortedError):
+    pass

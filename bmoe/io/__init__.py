@@ -1,0 +1,1 @@
+"""Adapters to files and memory: GGUF layout, validation, positioned reads, reserved regions."""

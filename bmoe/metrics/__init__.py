@@ -1,0 +1,1 @@
+"""Per-run and per-token measurements."""

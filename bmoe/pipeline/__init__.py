@@ -1,0 +1,1 @@
+"""Routing events, readiness, stage wiring and cache policy: pure, no native dependencies."""

@@ -1,0 +1,46 @@
+"""What flows between the stages: routing events, expert keys, read requests.
+
+A RoutingEvent is born on the compute thread (inside the eval callback) and crosses to the event
+loop; its ``reply`` is the one object both sides touch, a thread-safe future the callback blocks on
+until the layer's bytes are in place (or an error says they never will be).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+PHASE_PREFILL = 0
+PHASE_DECODE = 1
+
+
+class ExpertKey(NamedTuple):
+    """One projection of one expert of one layer: the unit of a read and of a readiness future."""
+
+    layer: int
+    proj: int
+    expert: int
+
+
+@dataclass(eq=False)
+class RoutingEvent:
+    """The routed experts of one MoE layer for one ubatch, in need of reads."""
+
+    layer: int
+    experts: tuple[int, ...]  # sorted union over the ubatch's rows
+    step: int  # index of the decode call within the generation
+    phase: int  # PHASE_PREFILL or PHASE_DECODE
+    reply: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass(frozen=True, eq=False)
+class ReadRequest:
+    """Bytes of one ExpertKey to place at ``dest``; ``speculative`` reads yield to real ones."""
+
+    key: ExpertKey
+    shard: int
+    offset: int
+    nbytes: int
+    dest: int
+    speculative: bool = False

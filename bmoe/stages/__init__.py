@@ -1,0 +1,1 @@
+"""The pipeline stages: prefetch (plan), read (I/O lanes), bind (residency), compute (decode)."""

@@ -1,0 +1,132 @@
+"""Bind: expert tensors point at reserved regions, and a layer is released to compute only when
+every byte it routes to is in place.
+
+``Residency`` owns the memory side: one reserved region per (layer, projection), expert ``e`` at
+``base + e*stride`` so ``mul_mat_id`` indexes it unchanged; rebinding ``->data`` once at open and
+restoring the original pointers before the regions are freed; releasing an evicted expert's pages;
+and the per-layer resident maps the eval callback's fast path reads. The bind stage waits for a
+layer's readiness futures, marks its experts resident and replies to the waiting callback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from bmoe.engine.ggml import GgmlTensor
+from bmoe.errors import ReadError, SeamMismatchError
+from bmoe.io.layout import ExpertTensor, ModelLayout
+from bmoe.io.regions import Region
+from bmoe.pipeline.cache import Plan
+from bmoe.pipeline.channel import Channel
+from bmoe.pipeline.events import ExpertKey, ReadRequest, RoutingEvent
+
+
+class Residency:
+    def __init__(self, layout: ModelLayout, tensors: Mapping[tuple[int, str], int]) -> None:
+        self.layout = layout
+        self._experts: dict[int, tuple[ExpertTensor, ...]] = {
+            il: layout.layer_experts(il) for il in layout.moe_layers
+        }
+        self._regions: dict[tuple[int, int], Region] = {}
+        self._structs: dict[tuple[int, int], GgmlTensor] = {}
+        self._original: dict[tuple[int, int], int] = {}
+        self.maps = [np.zeros(layout.n_expert, dtype=bool) for _ in range(layout.n_layer)]
+        for il, experts in self._experts.items():
+            for p, et in enumerate(experts):
+                addr = tensors.get((il, et.suffix))
+                if addr is None:
+                    raise SeamMismatchError(f"llama.cpp graph never used blk.{il}.{et.suffix}.weight")
+                struct = GgmlTensor.from_address(addr)
+                if struct.ne[2] != et.n_expert or struct.nb[2] != et.stride:
+                    raise SeamMismatchError(
+                        f"blk.{il}.{et.suffix}.weight: llama.cpp has ne[2]={struct.ne[2]} "
+                        f"nb[2]={struct.nb[2]}, the file index says {et.n_expert} x {et.stride} bytes"
+                    )
+                self._structs[il, p] = struct
+        for il, experts in self._experts.items():
+            for p, et in enumerate(experts):
+                self._regions[il, p] = Region(et.span.nbytes, et.span.offset)
+
+    def n_proj(self, layer: int) -> int:
+        return len(self._experts[layer])
+
+    def entry_bytes(self) -> dict[int, int]:
+        return {il: sum(et.stride for et in ets) for il, ets in self._experts.items()}
+
+    def bind(self) -> None:
+        """Point every expert tensor at its region: from now on llama.cpp reads only our bytes."""
+        for key, struct in self._structs.items():
+            self._original[key] = struct.data
+            struct.data = self._regions[key].base
+
+    def restore(self) -> None:
+        for key, data in self._original.items():
+            self._structs[key].data = data
+        self._original.clear()
+
+    def requests(self, layer: int, expert: int) -> list[ReadRequest]:
+        out = []
+        for p, et in enumerate(self._experts[layer]):
+            region = self._regions[layer, p]
+            out.append(
+                ReadRequest(
+                    ExpertKey(layer, p, expert),
+                    et.span.shard,
+                    et.file_offset(expert),
+                    et.stride,
+                    region.base + expert * et.stride,
+                )
+            )
+        return out
+
+    def layer_spans(self, layer: int) -> list[tuple[int, int]]:
+        return [(self._regions[layer, p].base, et.span.nbytes) for p, et in enumerate(self._experts[layer])]
+
+    def fill_layer(self, layer: int, byte: int) -> None:
+        for p in range(self.n_proj(layer)):
+            self._regions[layer, p].fill(byte)
+
+    def release(self, layer: int, expert: int) -> None:
+        self.maps[layer][expert] = False
+        for p, et in enumerate(self._experts[layer]):
+            self._regions[layer, p].release(expert * et.stride, (expert + 1) * et.stride)
+
+    def resident_page_bytes(self) -> int:
+        return sum(r.resident_bytes() for r in self._regions.values())
+
+    def close(self) -> None:
+        self.restore()
+        for region in self._regions.values():
+            region.close()
+        self._regions.clear()
+
+
+@dataclass(eq=False)
+class BindJob:
+    event: RoutingEvent
+    plan: Plan
+    futures: list[asyncio.Future[int]]
+
+
+class BindStage:
+    def __init__(self, residency: Residency) -> None:
+        self._residency = residency
+
+    async def run(self, jobs: Channel[BindJob]) -> None:
+        async for job in jobs:
+            reply = job.event.reply
+            try:
+                await asyncio.gather(*job.futures)
+            except Exception as exc:  # noqa: BLE001 - delivered to the waiting callback
+                if not reply.done():
+                    reply.set_exception(exc if isinstance(exc, ReadError) else ReadError(str(exc)))
+                continue
+            resident = self._residency.maps[job.plan.layer]
+            for e in job.plan.misses + job.plan.hits:
+                resident[e] = True
+            if not reply.done():
+                reply.set_result(None)

@@ -1,0 +1,86 @@
+"""Prefetch: the single writer of cache state. For each routing event it plans hits, misses and
+evictions, releases what is evicted, issues the misses as read requests and hands the layer's
+readiness futures to the bind stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+import numpy as np
+
+from bmoe.pipeline.cache import ExpertCache
+from bmoe.pipeline.channel import Channel
+from bmoe.pipeline.events import ExpertKey, ReadRequest, RoutingEvent
+from bmoe.pipeline.hooks import Hooks
+from bmoe.pipeline.readiness import ReadinessBoard
+from bmoe.stages.bind import BindJob, Residency
+
+
+class PrefetchStage:
+    def __init__(
+        self,
+        cache: ExpertCache,
+        residency: Residency,
+        board: ReadinessBoard,
+        fast_hits: deque[tuple[int, np.ndarray]],
+        hooks: Hooks,
+    ) -> None:
+        self._cache = cache
+        self._residency = residency
+        self._board = board
+        self._fast_hits = fast_hits
+        self._hooks = hooks
+
+    def account_fast_hits(self) -> None:
+        """Tell the cache about layers the eval callback served alone because all were resident."""
+        fast = self._fast_hits
+        while fast:
+            layer, experts = fast.popleft()
+            self._cache.touch(layer, experts.tolist())
+
+    def evict(self, entries: tuple[tuple[int, int], ...]) -> None:
+        for layer, expert in entries:
+            self._residency.release(layer, expert)
+
+    async def run(
+        self,
+        events: Channel[RoutingEvent],
+        reads: Channel[tuple[ReadRequest, asyncio.Future[int]]],
+        binds: Channel[BindJob],
+    ) -> None:
+        try:
+            async for event in events:
+                self.account_fast_hits()
+                plan = self._cache.plan(event.layer, event.experts)
+                if self._hooks.on_plan:
+                    self._hooks.on_plan(event, plan)
+                self.evict(plan.evictions)
+                if self._hooks.before_layer_reads:
+                    self._hooks.before_layer_reads(event.layer, self._residency.layer_spans(event.layer))
+                futures = []
+                for expert in plan.misses:
+                    for request in self._residency.requests(event.layer, expert):
+                        fut = self._board.expect(request.key)
+                        fut.add_done_callback(self._forget_on_failure(event.layer, expert))
+                        futures.append(fut)
+                        reads.send_nowait((request, fut))
+                n_proj = self._residency.n_proj(event.layer)
+                futures.extend(
+                    self._board.inflight(
+                        ExpertKey(event.layer, p, e) for e in plan.hits for p in range(n_proj)
+                    )
+                )
+                binds.send_nowait(BindJob(event, plan, futures))
+        finally:
+            reads.close()
+            binds.close()
+
+    def _forget_on_failure(self, layer: int, expert: int):  # noqa: ANN202
+        def done(fut) -> None:  # noqa: ANN001
+            if fut.cancelled() or fut.exception() is not None:
+                self._cache.discard((layer, expert))
+                self._residency.maps[layer][expert] = False
+
+        return done

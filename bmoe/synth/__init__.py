@@ -1,0 +1,1 @@
+"""Synthetic GGUF models written with gguf-py, for tests, demos and measurements."""

@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny models generated once per test session into a temporary directory."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from bmoe.engine.config import RunConfig
+from bmoe.engine.session import Session
+from bmoe.pipeline.hooks import Hooks
+from bmoe.synth.tiny import TinySpec, write_tiny
+
+PROMPT = "Routed experts stream from the disk, token after token."  # >= 16 byte-level tokens
+N_TOKENS = 24
+
+
+class TinyModels:
+    def __init__(self, root: Path) -> None:
+        self._root = root
+        self._paths: dict[TinySpec, Path] = {}
+        self._resident: dict[Path, list[int]] = {}
+
+    def path(self, spec: TinySpec) -> Path:
+        if spec not in self._paths:
+            folder = self._root / f"m{len(self._paths)}"
+            folder.mkdir()
+            self._paths[spec] = write_tiny(folder / "tiny.gguf", spec)[0]
+        return self._paths[spec]
+
+    def resident_tokens(self, path: Path) -> list[int]:
+        if path not in self._resident:
+            self._resident[path] = generate_tokens(path, RunConfig(mode="resident", n_ctx=256))
+        return self._resident[path]
+
+
+def generate_tokens(path: Path, config: RunConfig, hooks: Hooks | None = None,
+                    prompt: str = PROMPT, n: int = N_TOKENS) -> list[int]:
+    async def go() -> list[int]:
+        with Session.open(path, config, hooks=hooks) as session:
+            return (await session.generate(prompt, n, stop_at_end=False)).tokens
+
+    return asyncio.run(go())
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
+    return TinyModels(tmp_path_factory.mktemp("tiny"))

@@ -1,0 +1,117 @@
+"""Reserved anonymous regions: placement, slack, fill, page-exact release, residency, close."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bmoe.errors import BudgetError
+from bmoe.io.regions import Region
+
+PAGE = mmap.PAGESIZE
+ALIGN = 4096
+
+
+def read(addr: int, n: int) -> bytes:
+    return ctypes.string_at(addr, n)
+
+
+@pytest.mark.parametrize("file_offset", [0, 1, 4095, 4096 + 123, 7 * 2**30 + 2049])
+def test_base_congruent_to_file_offset(file_offset: int) -> None:
+    with Region(10_000, file_offset) as r:
+        assert r.base % ALIGN == file_offset % ALIGN
+        assert r.nbytes == 10_000
+
+
+@pytest.mark.parametrize("file_offset", [0, 100, 4000])
+def test_slack_covers_aligned_superset_and_a_page_each_side(file_offset: int) -> None:
+    nbytes = 3 * ALIGN + 17
+    with Region(nbytes, file_offset) as r:
+        lo = r.base // ALIGN * ALIGN - PAGE
+        hi = -(-(r.base + nbytes) // ALIGN) * ALIGN + PAGE
+        ctypes.memset(lo, 0x5A, hi - lo)  # would fault if any of it were outside the mapping
+        assert read(lo, hi - lo) == b"\x5a" * (hi - lo)
+
+
+def test_fill_poisons_with_nan() -> None:
+    with Region(4 * 1000, 8) as r:
+        r.fill(0xFF)
+        assert read(r.base, r.nbytes) == b"\xff" * r.nbytes
+        floats = np.frombuffer(read(r.base, r.nbytes), np.float32)
+        assert np.isnan(floats).all()
+
+
+def test_untouched_region_costs_nothing() -> None:
+    with Region(64 * 2**20, 0) as r:
+        assert r.resident_bytes() == 0
+        ctypes.memset(r.base + 5 * PAGE, 1, 1)
+        assert r.resident_bytes() == PAGE
+
+
+def test_reserve_beyond_ram_with_noreserve() -> None:
+    if Path("/proc/sys/vm/overcommit_memory").read_text().strip() == "2":
+        pytest.skip("strict overcommit ignores MAP_NORESERVE")
+    meminfo = Path("/proc/meminfo").read_text().splitlines()
+    ram = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemTotal:"))
+    with Region(2 * ram, 0) as r:
+        assert r.resident_bytes() == 0
+
+
+def test_release_frees_only_whole_pages_inside() -> None:
+    stride = 3 * PAGE + 100  # experts straddle pages: releasing one keeps its partial edge pages
+    with Region(4 * stride, 1234) as r:
+        r.fill(0xAB)
+        before = r.resident_bytes()
+        start, end = stride, 2 * stride
+        lo = -(-(r.base + start) // PAGE) * PAGE
+        hi = (r.base + end) // PAGE * PAGE
+        assert r.release(start, end) == hi - lo > 0
+        assert r.resident_bytes() == before - (hi - lo)
+        assert read(lo, hi - lo) == bytes(hi - lo)  # released pages read back as zeros
+        assert read(r.base + start, lo - r.base - start) == b"\xab" * (lo - r.base - start)
+        assert read(hi, r.base + end - hi) == b"\xab" * (r.base + end - hi)
+        assert read(r.base, start) == b"\xab" * start  # neighbours untouched
+        assert read(r.base + end, r.nbytes - end) == b"\xab" * (r.nbytes - end)
+
+
+def test_release_smaller_than_a_page_frees_nothing() -> None:
+    with Region(3 * PAGE, 0) as r:
+        r.fill(1)
+        assert r.release(10, PAGE) == 0 and r.release(5, 5) == 0
+        assert read(r.base, 3 * PAGE) == b"\x01" * (3 * PAGE)
+        assert r.release(0, 3 * PAGE) == 3 * PAGE  # base page-aligned: every page is whole
+
+
+def test_release_out_of_range() -> None:
+    with Region(PAGE, 0) as r, pytest.raises(ValueError):
+        r.release(0, PAGE + 1)
+
+
+def test_close_is_idempotent_and_final() -> None:
+    r = Region(PAGE, 0)
+    r.close()
+    r.close()
+    assert r.closed
+    for call in (lambda: r.fill(0), lambda: r.release(0, 0), r.resident_bytes):
+        with pytest.raises(ValueError, match="closed"):
+            call()
+
+
+def test_context_manager_closes() -> None:
+    with Region(PAGE, 0) as r:
+        assert not r.closed
+    assert r.closed
+
+
+def test_reservation_failure_is_a_budget_error() -> None:
+    with pytest.raises(BudgetError, match="cannot reserve"):
+        Region(1 << 62, 0)  # more address space than x86-64 user space has
+
+
+def test_rejects_empty_region() -> None:
+    with pytest.raises(ValueError):
+        Region(0, 0)

@@ -1,0 +1,111 @@
+"""The async and sync fronts, cancellation, and failures inside the decode."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bmoe.engine.config import RunConfig
+from bmoe.engine.session import Session
+from bmoe.engine.sync import SyncSession
+from bmoe.errors import ReadError
+from bmoe.pipeline.hooks import Hooks
+from bmoe.synth.tiny import TinySpec
+from tests.conftest import N_TOKENS, PROMPT
+
+CONFIG = RunConfig(mode="stream", n_ctx=256)
+
+
+@pytest.mark.asyncio
+async def test_async_and_sync_fronts_agree(tiny) -> None:
+    path = tiny.path(TinySpec())
+    async with Session.open(path, CONFIG) as session:
+        pieces = [p async for p in session.stream(PROMPT, N_TOKENS, stop_at_end=False)]
+    async_tokens = [p.token for p in pieces if p.token is not None]
+    with SyncSession.open(path, CONFIG) as sync:
+        sync_tokens = [p.token for p in sync.stream(PROMPT, N_TOKENS, stop_at_end=False) if p.token is not None]
+        assert sync.generate(PROMPT, N_TOKENS, stop_at_end=False).tokens == sync_tokens
+    assert async_tokens == sync_tokens == tiny.resident_tokens(path)
+
+
+@pytest.mark.asyncio
+async def test_cancel_mid_generation_then_generate_again(tiny) -> None:
+    path = tiny.path(TinySpec(arch="qwen2moe"))
+    started = asyncio.Event()
+
+    async with Session.open(path, CONFIG) as session:
+        async def consume() -> None:
+            async for piece in session.stream(PROMPT, 200, stop_at_end=False):
+                if piece.token is not None:
+                    started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        again = await session.generate(PROMPT, N_TOKENS, stop_at_end=False)
+    assert again.tokens == tiny.resident_tokens(path)
+
+
+@pytest.mark.asyncio
+async def test_cancel_while_callback_waits_on_a_read(tiny) -> None:
+    path = tiny.path(TinySpec(arch="gemma4"))
+    gate = asyncio.Event()
+    reads = 0
+
+    def before_read(_request) -> bool:  # noqa: ANN001
+        nonlocal reads
+        reads += 1
+        if reads == 40:
+            loop.call_soon_threadsafe(gate.set)
+        return True
+
+    loop = asyncio.get_running_loop()
+    async with Session.open(path, CONFIG, hooks=Hooks(before_read=before_read)) as session:
+        task = asyncio.create_task(session.generate(PROMPT, 200, stop_at_end=False))
+        await gate.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        again = await session.generate(PROMPT, N_TOKENS, stop_at_end=False)
+    assert again.tokens == tiny.resident_tokens(path)
+
+
+@pytest.mark.asyncio
+async def test_raising_read_aborts_decode_and_session_recovers(tiny) -> None:
+    path = tiny.path(TinySpec())
+    fail = {"on": True, "count": 0}
+
+    class Boom(OSError):
+        pass
+
+    def before_read(request) -> bool:  # noqa: ANN001
+        fail["count"] += 1
+        if fail["on"] and fail["count"] == 30:
+            raise Boom("disk on fire")
+        return True
+
+    emitted: list[int] = []
+    async with Session.open(path, CONFIG, hooks=Hooks(before_read=before_read)) as session:
+        with pytest.raises(ReadError):
+            async for piece in session.stream(PROMPT, N_TOKENS, stop_at_end=False):
+                emitted.append(piece.token)
+        fail["on"] = False
+        again = await session.generate(PROMPT, N_TOKENS, stop_at_end=False)
+    resident = tiny.resident_tokens(path)
+    assert emitted == resident[: len(emitted)], "every token emitted before the failure is correct"
+    assert len(emitted) < N_TOKENS
+    assert again.tokens == resident
+
+
+def test_sync_front_refuses_the_loop_thread(tiny) -> None:
+    path = tiny.path(TinySpec())
+
+    async def inside_loop() -> None:
+        with SyncSession.open(path, CONFIG) as sync:
+            sync.generate(PROMPT, 2)
+
+    with pytest.raises(RuntimeError):
+        asyncio.run(inside_loop())
