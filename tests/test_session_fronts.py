@@ -9,7 +9,7 @@ import pytest
 from bmoe.engine.config import RunConfig
 from bmoe.engine.session import Session
 from bmoe.engine.sync import SyncSession
-from bmoe.errors import ReadError
+from bmoe.errors import BmoeError, ReadError
 from bmoe.pipeline.hooks import Hooks
 from bmoe.synth.tiny import TinySpec
 from tests.conftest import N_TOKENS, PROMPT
@@ -17,12 +17,15 @@ from tests.conftest import N_TOKENS, PROMPT
 CONFIG = RunConfig(mode="stream", n_ctx=256)
 
 
-@pytest.mark.asyncio
-async def test_async_and_sync_fronts_agree(tiny) -> None:
+def test_async_and_sync_fronts_agree(tiny) -> None:
     path = tiny.path(TinySpec())
-    async with Session.open(path, CONFIG) as session:
-        pieces = [p async for p in session.stream(PROMPT, N_TOKENS, stop_at_end=False)]
-    async_tokens = [p.token for p in pieces if p.token is not None]
+
+    async def via_async() -> list[int]:
+        async with Session.open(path, CONFIG) as session:
+            pieces = [p async for p in session.stream(PROMPT, N_TOKENS, stop_at_end=False)]
+        return [p.token for p in pieces if p.token is not None]
+
+    async_tokens = asyncio.run(via_async())
     with SyncSession.open(path, CONFIG) as sync:
         sync_tokens = [p.token for p in sync.stream(PROMPT, N_TOKENS, stop_at_end=False) if p.token is not None]
         assert sync.generate(PROMPT, N_TOKENS, stop_at_end=False).tokens == sync_tokens
@@ -107,5 +110,5 @@ def test_sync_front_refuses_the_loop_thread(tiny) -> None:
         with SyncSession.open(path, CONFIG) as sync:
             sync.generate(PROMPT, 2)
 
-    with pytest.raises(RuntimeError):
+    with pytest.raises(BmoeError, match="from async code"):
         asyncio.run(inside_loop())

@@ -7,6 +7,7 @@ loop thread: blocking there would deadlock the very loop the eval callback waits
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from anyio.from_thread import start_blocking_portal
 
 from bmoe.engine.config import RunConfig
 from bmoe.engine.session import Generation, Piece, Session
+from bmoe.errors import BmoeError
 from bmoe.pipeline.hooks import Hooks
 
 
@@ -23,6 +25,14 @@ def loop_backend_options() -> dict[str, object]:
     except ImportError:
         return {}
     return {"use_uvloop": True}
+
+
+def _refuse_on_loop_thread() -> None:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise BmoeError("SyncSession blocks: from async code, use Session and await it instead")
 
 
 async def _next_piece(agen: AsyncIterator[Piece]) -> Piece:
@@ -40,6 +50,7 @@ class SyncSession:
         return cls(Session.open(path, config, hooks=hooks))
 
     def stream(self, prompt: str, max_tokens: int = 64, *, stop_at_end: bool = True) -> Iterator[Piece]:
+        _refuse_on_loop_thread()
         agen = self.session.stream(prompt, max_tokens, stop_at_end=stop_at_end)
         try:
             while True:
@@ -52,6 +63,7 @@ class SyncSession:
             self._portal.call(agen.aclose)
 
     def generate(self, prompt: str, max_tokens: int = 64, *, stop_at_end: bool = True) -> Generation:
+        _refuse_on_loop_thread()
         return self._portal.call(lambda: self.session.generate(prompt, max_tokens, stop_at_end=stop_at_end))
 
     def set_cache_budget(self, budget_bytes: int) -> None:
