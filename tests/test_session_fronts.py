@@ -49,7 +49,7 @@ async def test_cancel_mid_generation_then_generate_again(tiny) -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
         again = await session.generate(PROMPT, N_TOKENS, stop_at_end=False)
-    assert again.tokens == tiny.resident_tokens(path)
+    assert again.tokens == await asyncio.to_thread(tiny.resident_tokens, path)
 
 
 @pytest.mark.asyncio
@@ -73,7 +73,7 @@ async def test_cancel_while_callback_waits_on_a_read(tiny) -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
         again = await session.generate(PROMPT, N_TOKENS, stop_at_end=False)
-    assert again.tokens == tiny.resident_tokens(path)
+    assert again.tokens == await asyncio.to_thread(tiny.resident_tokens, path)
 
 
 @pytest.mark.asyncio
@@ -97,7 +97,7 @@ async def test_raising_read_aborts_decode_and_session_recovers(tiny) -> None:
                 emitted.append(piece.token)
         fail["on"] = False
         again = await session.generate(PROMPT, N_TOKENS, stop_at_end=False)
-    resident = tiny.resident_tokens(path)
+    resident = await asyncio.to_thread(tiny.resident_tokens, path)
     assert emitted == resident[: len(emitted)], "every token emitted before the failure is correct"
     assert len(emitted) < N_TOKENS
     assert again.tokens == resident
@@ -112,3 +112,31 @@ def test_sync_front_refuses_the_loop_thread(tiny) -> None:
 
     with pytest.raises(BmoeError, match="from async code"):
         asyncio.run(inside_loop())
+
+
+@pytest.mark.asyncio
+async def test_break_out_of_stream_then_generate(tiny) -> None:
+    path = tiny.path(TinySpec(wtype="f16"))
+    async with Session.open(path, CONFIG) as session:
+        async for piece in session.stream(PROMPT, 50, stop_at_end=False):
+            if piece.token is not None:
+                break
+        again = await session.generate(PROMPT, N_TOKENS, stop_at_end=False)
+    assert again.tokens == await asyncio.to_thread(tiny.resident_tokens, path)
+
+
+@pytest.mark.asyncio
+async def test_failure_inside_a_stage_aborts_and_session_recovers(tiny) -> None:
+    path = tiny.path(TinySpec())
+    armed = {"on": True}
+
+    def on_plan(event, _plan) -> None:  # noqa: ANN001
+        if armed["on"] and event.step == 3:
+            raise ValueError("planner bug")
+
+    async with Session.open(path, CONFIG, hooks=Hooks(on_plan=on_plan)) as session:
+        with pytest.raises(ValueError, match="planner bug"):
+            await session.generate(PROMPT, N_TOKENS, stop_at_end=False)
+        armed["on"] = False
+        again = await session.generate(PROMPT, N_TOKENS, stop_at_end=False)
+    assert again.tokens == await asyncio.to_thread(tiny.resident_tokens, path)

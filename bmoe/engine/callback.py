@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -70,6 +71,7 @@ class EvalCallback:
         # Layers served by the fast path, for the cache writer to account on the loop thread.
         self.fast_hits: deque[tuple[int, np.ndarray]] = deque()
         self.event_layers = 0
+        self.blocked_s = 0.0  # compute thread time spent waiting for the pipeline
 
     def set_resident_maps(self, maps: list[np.ndarray]) -> None:
         """Per layer, a bool per expert that the bind stage keeps true while its bytes are in place."""
@@ -154,8 +156,12 @@ class EvalCallback:
         try:
             if self._aborting:  # abort() ran before the event was registered: it saw no event
                 raise self.error or DecodeAbortedError("decode aborted")
+            t0 = time.perf_counter()
             loop.call_soon_threadsafe(events.send_nowait, event)
-            event.reply.result()
+            try:
+                event.reply.result()
+            finally:
+                self.blocked_s += time.perf_counter() - t0
         finally:
             self._pending.discard(event)
         return True

@@ -44,7 +44,11 @@ _no_progress = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_float, ctypes.c_void_p)(
 class LlamaModel:
     """A loaded model and one context on it, with bmoe's callbacks installed."""
 
-    def __init__(self, path: Path, *, n_ctx: int, n_threads: int, callback: EvalCallback) -> None:
+    def __init__(
+        self, path: Path, *, n_ctx: int, n_threads: int, callback: EvalCallback, install: bool
+    ) -> None:
+        """``install=False`` leaves llama.cpp without bmoe's eval and abort callbacks (plain
+        resident runs): both are Python calls per graph node, which a baseline must not pay."""
         lib = _llama()
         self._lib = lib
         self.callback = callback
@@ -60,10 +64,9 @@ class LlamaModel:
         cparams.n_ctx = n_ctx
         cparams.n_batch = cparams.n_ubatch = min(512, n_ctx)
         cparams.n_threads = cparams.n_threads_batch = n_threads
-        cparams.cb_eval = callback.c_eval
-        cparams.cb_eval_user_data = None
-        cparams.abort_callback = callback.c_abort
-        cparams.abort_callback_data = None
+        if install:
+            cparams.cb_eval = callback.c_eval
+            cparams.abort_callback = callback.c_abort
         cparams.no_perf = True
         self.ctx = lib.llama_init_from_model(self.model, cparams)
         if not self.ctx:

@@ -115,7 +115,8 @@ class Session:
         self._streaming = streaming
         self._compute = ComputeStage(model.decode, callback.arm, callback.disarm, callback.abort)
         self._busy = False
-        self._base: tuple[int, int, float, int, int, int] = (0, 0, 0.0, 0, 0, 0)
+        self._lock: asyncio.Lock | None = None
+        self._base: tuple[int, int, float, float, float, int, int, int] = (0, 0, 0.0, 0.0, 0.0, 0, 0, 0)
         self.last_stats: GenerationStats | None = None
 
     @classmethod
@@ -125,7 +126,10 @@ class Session:
         recipe_for(layout.arch)
         check_overhead()
         callback = EvalCallback()
-        model = LlamaModel(layout.shards[0], n_ctx=config.n_ctx, n_threads=config.threads, callback=callback)
+        model = LlamaModel(
+            layout.shards[0], n_ctx=config.n_ctx, n_threads=config.threads, callback=callback,
+            install=config.mode == "stream" or config.eval_filter,
+        )
         streaming = None
         try:
             if config.mode == "stream":
@@ -149,9 +153,11 @@ class Session:
         return self._model.tokenize(text)
 
     async def stream(self, prompt: str, max_tokens: int = 64, *, stop_at_end: bool = True) -> AsyncIterator[Piece]:
-        """Greedy generation, one Piece per token. Cancel (or break and aclose) at any point."""
-        if self._busy:
-            raise BmoeError("this session is already generating; one generation at a time")
+        """Greedy generation, one Piece per token; cancel it, or break and close it, at any point.
+
+        One generation runs at a time: a second waits until the first has finished or been closed
+        (a generator abandoned by ``break`` is closed by the event loop shortly after).
+        """
         if self._model.ctx is None:
             raise BmoeError("session is closed")
         tokens = self._model.tokenize(prompt)
@@ -162,36 +168,39 @@ class Session:
                 f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceed the context "
                 f"({self._model.n_ctx}); raise n_ctx"
             )
-        self._busy = True
-        stats = self._new_stats(len(tokens))
-        self.last_stats = stats
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        try:
-            self._model.clear_memory()
-            t0 = time.perf_counter()
-            step = 0
-            for i in range(0, len(tokens), self._model.n_batch):
-                await self._decode(tokens[i : i + self._model.n_batch], step, PHASE_PREFILL)
-                step += 1
-            t1 = time.perf_counter()
-            stats.prefill_s = t1 - t0
-            for i in range(max_tokens):
-                token = int(np.argmax(self._model.logits()))
-                if stop_at_end and self._model.is_end(token):
-                    break
-                stats.generated_tokens += 1
-                yield Piece(token, decoder.decode(self._model.piece(token)))
-                if i + 1 == max_tokens:
-                    break
-                await self._decode([token], step, PHASE_DECODE)
-                step += 1
-            stats.decode_s = time.perf_counter() - t1
-            tail = decoder.decode(b"", final=True)
-            if tail:
-                yield Piece(None, tail)
-        finally:
-            self._finish_stats(stats)
-            self._busy = False
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            self._busy = True
+            stats = self._new_stats(len(tokens))
+            self.last_stats = stats
+            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            try:
+                self._model.clear_memory()
+                t0 = time.perf_counter()
+                step = 0
+                for i in range(0, len(tokens), self._model.n_batch):
+                    await self._decode(tokens[i : i + self._model.n_batch], step, PHASE_PREFILL)
+                    step += 1
+                stats.prefill_s = time.perf_counter() - t0
+                for i in range(max_tokens):
+                    token = int(np.argmax(self._model.logits()))
+                    if stop_at_end and self._model.is_end(token):
+                        break
+                    stats.generated_tokens += 1
+                    yield Piece(token, decoder.decode(self._model.piece(token)))
+                    if i + 1 == max_tokens:
+                        break
+                    t0 = time.perf_counter()
+                    await self._decode([token], step, PHASE_DECODE)
+                    stats.decode_s += time.perf_counter() - t0
+                    step += 1
+                tail = decoder.decode(b"", final=True)
+                if tail:
+                    yield Piece(None, tail)
+            finally:
+                self._finish_stats(stats)
+                self._busy = False
 
     async def generate(self, prompt: str, max_tokens: int = 64, *, stop_at_end: bool = True) -> Generation:
         out = Generation()
@@ -219,6 +228,7 @@ class Session:
         if self._streaming:
             s = self._streaming
             self._base = (s.read.counters.slices, s.read.counters.bytes_read, s.read.counters.busy_s,
+                          s.bind.read_wall_s, self._callback.blocked_s,
                           s.cache.misses, s.cache.hits, s.cache.evictions)
         return stats
 
@@ -226,10 +236,12 @@ class Session:
         if not self._streaming:
             return
         s = self._streaming
-        slices, nbytes, busy, misses, hits, evictions = self._base
+        slices, nbytes, busy, wall, blocked, misses, hits, evictions = self._base
         stats.slices_read = s.read.counters.slices - slices
         stats.bytes_read = s.read.counters.bytes_read - nbytes
         stats.read_busy_s = s.read.counters.busy_s - busy
+        stats.read_wall_s = s.bind.read_wall_s - wall
+        stats.blocked_s = self._callback.blocked_s - blocked
         stats.experts_read = s.cache.misses - misses
         stats.cache_hits = s.cache.hits - hits
         stats.cache_evictions = s.cache.evictions - evictions

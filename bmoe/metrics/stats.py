@@ -17,11 +17,13 @@ class GenerationStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     prefill_s: float = 0.0
-    decode_s: float = 0.0  # wall time of the decode steps after prefill
+    decode_s: float = 0.0  # summed wall time of the decode calls after prefill (not the caller's)
     experts_read: int | None = None  # (layer, expert) entries read, all projections
     slices_read: int | None = None  # (layer, projection, expert) reads
     bytes_read: int | None = None  # bytes transferred from the model file(s)
     read_busy_s: float | None = None  # summed time the I/O lanes spent inside reads
+    read_wall_s: float | None = None  # summed per layer: reads issued -> last read landed
+    blocked_s: float | None = None  # compute thread waiting on the pipeline (reads + hops)
     cache_hits: int | None = None
     cache_evictions: int | None = None
 
@@ -34,10 +36,10 @@ class GenerationStats:
 
     @property
     def read_mib_per_s(self) -> float | None:
-        """File bytes over lane busy time: the rate the lanes achieved while reading."""
-        if not self.bytes_read or not self.read_busy_s:
+        """Engine read bandwidth: file bytes over the layers' read windows, all lanes together."""
+        if not self.bytes_read or not self.read_wall_s:
             return None
-        return self.bytes_read / (1 << 20) / self.read_busy_s
+        return self.bytes_read / (1 << 20) / self.read_wall_s
 
     def as_dict(self) -> dict[str, object]:
         out = asdict(self)

@@ -11,6 +11,7 @@ layer's readiness futures, marks its experts resident and replies to the waiting
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -110,17 +111,23 @@ class BindJob:
     event: RoutingEvent
     plan: Plan
     futures: list[asyncio.Future[int]]
+    issued_at: float  # perf_counter when the layer's reads were issued
 
 
 class BindStage:
     def __init__(self, residency: Residency) -> None:
         self._residency = residency
+        # Summed per layer: from issuing its reads to the last one landing. Serial layers never
+        # overlap, so bytes over this is the engine's read bandwidth, all lanes together.
+        self.read_wall_s = 0.0
 
     async def run(self, jobs: Channel[BindJob]) -> None:
         async for job in jobs:
             reply = job.event.reply
             try:
                 await asyncio.gather(*job.futures)
+                if job.plan.misses:
+                    self.read_wall_s += time.perf_counter() - job.issued_at
             except Exception as exc:  # noqa: BLE001 - delivered to the waiting callback
                 if not reply.done():
                     reply.set_exception(exc if isinstance(exc, ReadError) else ReadError(str(exc)))

@@ -6,6 +6,7 @@ readiness futures to the bind stage.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 
 import numpy as np
@@ -60,6 +61,7 @@ class PrefetchStage:
                 if self._hooks.before_layer_reads:
                     self._hooks.before_layer_reads(event.layer, self._residency.layer_spans(event.layer))
                 futures = []
+                issued_at = time.perf_counter()
                 for expert in plan.misses:
                     for request in self._residency.requests(event.layer, expert):
                         fut = self._board.expect(request.key)
@@ -72,7 +74,7 @@ class PrefetchStage:
                         ExpertKey(event.layer, p, e) for e in plan.hits for p in range(n_proj)
                     )
                 )
-                binds.send_nowait(BindJob(event, plan, futures))
+                binds.send_nowait(BindJob(event, plan, futures, issued_at))
         finally:
             reads.close()
             binds.close()
