@@ -32,11 +32,31 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
                       help="plain llama.cpp: the whole file mapped, nothing streamed")
     p.add_argument("--io-threads", type=int, default=2, help="I/O lanes for expert reads")
     p.add_argument("--no-odirect", action="store_true", help="buffered reads instead of O_DIRECT")
-    p.add_argument("--cache-mb", type=float, default=0, help="expert cache budget in MiB (0 = off)")
+    _common_flags(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--progress", action="store_true", help="one JSON line of metrics per token on stderr")
+    p.add_argument("--csv", type=Path, default=None, help="per-token metrics CSV with a config header")
+    p.set_defaults(mode="stream", func=_cmd_run)
+
+
+def _cache_mb(text: str) -> float | None:
+    if text == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of MiB or 'auto', got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("the cache budget cannot be negative")
+    return value
+
+
+def _common_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache-mb", type=_cache_mb, default=0.0,
+                   help="expert cache budget in MiB, or 'auto' (0 = off: every routed expert read)")
+    p.add_argument("--cache-ceil-mb", type=float, default=None, help="upper bound for the budget")
     p.add_argument("-t", "--threads", type=int, default=None, help="compute threads")
     p.add_argument("-c", "--ctx", type=int, default=2048, help="context length")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p.set_defaults(mode="stream", func=_cmd_run)
 
 
 def _demo_parser(sub: argparse._SubParsersAction) -> None:
@@ -68,32 +88,68 @@ def _config(args: argparse.Namespace) -> RunConfig:
         odirect=not args.no_odirect,
         n_threads=args.threads,
         n_ctx=args.ctx,
-        cache_bytes=int(args.cache_mb * MiB),
+        cache_bytes=None if args.cache_mb is None else int(args.cache_mb * MiB),
+        cache_ceiling_bytes=None if args.cache_ceil_mb is None else int(args.cache_ceil_mb * MiB),
     ).validate()
 
 
-async def _generate(model: Path, config: RunConfig, prompt: str, n: int, echo: bool) -> dict:
+async def _generate(model: Path, config: RunConfig, prompt: str, n: int, *, echo: bool,
+                    progress: bool = False, csv_path: Path | None = None) -> dict:
     from bmoe.engine.session import Session
+    from bmoe.metrics.sinks import CsvSink, ProgressSink
 
     with Session.open(model, config) as session:
+        for warning in session.warnings:
+            print(f"bmoe: warning: {warning}", file=sys.stderr)
+        sinks: list = []
+        if progress:
+            sinks.append(ProgressSink(None))
+        if csv_path is not None:
+            sinks.append(CsvSink(csv_path, config.as_dict() | {"budget_how": session.budget_how}, str(model)))
+        bar = _token_bar(n) if echo and not progress and not sys.stdout.isatty() and sys.stderr.isatty() else None
         tokens: list[int] = []
         parts: list[str] = []
-        async for piece in session.stream(prompt, n):
-            if piece.token is not None:
-                tokens.append(piece.token)
-            parts.append(piece.text)
-            if echo:
-                sys.stdout.write(piece.text)
-                sys.stdout.flush()
-        stats = session.last_stats
-        assert stats is not None
-        return {
-            "text": "".join(parts),
-            "tokens": tokens,
-            "n_tokens": len(tokens),
-            "io_fallback_reason": session.io_fallback_reason,
-            **stats.as_dict(),
-        }
+        async with asyncio.TaskGroup() as tg:
+            for sink in sinks:
+                tg.create_task(sink.run())
+            try:
+                async for piece in session.stream(prompt, n):
+                    if piece.token is not None:
+                        tokens.append(piece.token)
+                    parts.append(piece.text)
+                    if piece.metrics is not None:
+                        for sink in sinks:
+                            sink.add(piece.metrics)
+                    if echo:
+                        sys.stdout.write(piece.text)
+                        sys.stdout.flush()
+                    if bar is not None:
+                        bar.update(1)
+                stats = session.last_stats
+                assert stats is not None
+                result = {
+                    "text": "".join(parts),
+                    "tokens": tokens,
+                    "n_tokens": len(tokens),
+                    "io_fallback_reason": session.io_fallback_reason,
+                    "budget_how": session.budget_how,
+                    **stats.as_dict(),
+                }
+                for sink in sinks:
+                    if isinstance(sink, CsvSink):
+                        sink.summary({k: v for k, v in result.items() if k not in ("text", "tokens")})
+            finally:
+                if bar is not None:
+                    bar.close()
+                for sink in sinks:
+                    sink.close()
+        return result
+
+
+def _token_bar(total: int):  # noqa: ANN202 - a tqdm bar for long runs whose text goes to a file
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="tok", desc="generating", file=sys.stderr)
 
 
 def _summary(r: dict) -> str:
@@ -105,9 +161,8 @@ def _summary(r: dict) -> str:
         line += (
             f", experts read {r['experts_read']}, {r['bytes_read'] / MiB:.1f} MiB read"
             f", read {num(r['read_mib_per_s'], '.0f')} MiB/s ({r['io_mode']})"
+            f", cache {r['budget_bytes'] / MiB:.0f} MiB hit {num(r['cache_hit_pct'], '.1f')}%"
         )
-        if r["io_fallback_reason"]:
-            line += f" [O_DIRECT off: {r['io_fallback_reason']}]"
     return line
 
 
@@ -121,7 +176,8 @@ def _run_async(coro):  # noqa: ANN001, ANN202
 
 def _cmd_run(args: argparse.Namespace) -> int:
     config = _config(args)
-    result = _run_async(_generate(args.model, config, args.prompt, args.n_predict, not args.json))
+    result = _run_async(_generate(args.model, config, args.prompt, args.n_predict, echo=not args.json,
+                                  progress=args.progress, csv_path=args.csv))
     if args.json:
         print(json.dumps(result))
     else:
@@ -181,7 +237,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     results = {}
     for mode in ("resident", "stream"):
         config = RunConfig(mode=mode).validate()
-        r = _run_async(_generate(model, config, DEMO_PROMPT, args.n_predict, False))
+        r = _run_async(_generate(model, config, DEMO_PROMPT, args.n_predict, echo=False))
         results[mode] = r
         print(f"{mode:>8}: {r['text']!r}")
         print(f"          {_summary(r)}")

@@ -19,7 +19,10 @@ class RunConfig:
     odirect: bool = True
     n_threads: int | None = None  # None: every core this process may run on
     n_ctx: int = 2048
-    cache_bytes: int = 0  # 0 = cache off: every routed expert is read every time it is used
+    # Expert cache budget: 0 = off (every routed expert read every time it is used), None = auto
+    # (sized once at open from available memory, see bmoe.pipeline.budget).
+    cache_bytes: int | None = 0
+    cache_ceiling_bytes: int | None = None
     cache_policy: str = "lru"
     # Resident mode only: install the eval callback that filters nodes but streams nothing, to
     # measure what the callback itself costs.
@@ -34,8 +37,12 @@ class RunConfig:
             raise ConfigError(f"n_threads must be 1..512, got {self.n_threads}")
         if not 16 <= self.n_ctx <= 1 << 20:
             raise ConfigError(f"n_ctx must be 16..1048576, got {self.n_ctx}")
-        if self.cache_bytes < 0:
-            raise ConfigError(f"cache budget must be >= 0, got {self.cache_bytes}")
+        if self.cache_bytes is not None and not (self.cache_bytes == 0 or self.cache_bytes >= MiB):
+            raise ConfigError(
+                f"cache budget must be 0 (off) or at least 1 MiB, got {self.cache_bytes} bytes"
+            )
+        if self.cache_ceiling_bytes is not None and self.cache_ceiling_bytes < 0:
+            raise ConfigError(f"cache ceiling must be >= 0, got {self.cache_ceiling_bytes}")
         if self.eval_filter and self.mode != "resident":
             raise ConfigError("eval_filter measures the callback alone and needs mode='resident'")
         return self

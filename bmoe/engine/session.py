@@ -28,7 +28,9 @@ from bmoe.errors import BmoeError, ConfigError, SeamMismatchError
 from bmoe.io.direct import ShardReader
 from bmoe.io.layout import ModelLayout
 from bmoe.io.validate import open_layout
-from bmoe.metrics.stats import GenerationStats
+from bmoe.metrics.stats import Counters, GenerationStats
+from bmoe.metrics.tokens import ProcessSample, TokenMetrics, rss_bytes
+from bmoe.pipeline.budget import read_meminfo, resolve_budget
 from bmoe.pipeline.cache import ExpertCache, make_policy
 from bmoe.pipeline.channel import Channel
 from bmoe.pipeline.events import PHASE_DECODE, PHASE_PREFILL, RoutingEvent
@@ -49,6 +51,16 @@ class Piece:
 
     token: int | None
     text: str
+    metrics: TokenMetrics | None = None
+
+
+@dataclass(frozen=True)
+class _Measure:
+    wall_s: float
+    delta: Counters | None
+    before: ProcessSample
+    after: ProcessSample
+    next_step: int
 
 
 @dataclass
@@ -70,8 +82,18 @@ class _Streaming:
         try:
             first = layout.layer_experts(layout.moe_layers[0])[0]
             self.reader.verify(first.span.shard, first.span.offset, first.stride)
+            meminfo = read_meminfo()
+            self.budget = resolve_budget(
+                config.cache_bytes,
+                ceiling=config.cache_ceiling_bytes,
+                mem_available=meminfo.get("MemAvailable", 0),
+                mem_total=meminfo.get("MemTotal", 0),
+                dense_bytes=layout.dense_bytes,
+                expert_bank_bytes=layout.expert_bytes,
+                working_set_bytes=layout.expert_bytes_per_token(),
+            )
             self.cache = ExpertCache(
-                config.cache_bytes, self.residency.entry_bytes(), make_policy(config.cache_policy)
+                self.budget.bytes, self.residency.entry_bytes(), make_policy(config.cache_policy)
             )
             self.lanes = ThreadPoolExecutor(config.io_threads, thread_name_prefix="bmoe-io")
         except BaseException:
@@ -82,8 +104,18 @@ class _Streaming:
         self.prefetch = PrefetchStage(self.cache, self.residency, self.board, callback.fast_hits, hooks)
         self.read = ReadStage(self.reader, self.lanes, self.board, hooks)
         self.bind = BindStage(self.residency)
+        self._callback = callback
+        self.trim_s = 0.0
         callback.set_resident_maps(self.residency.maps)
         self.residency.bind()
+
+    def counters(self) -> Counters:
+        c = self.cache
+        return Counters(
+            self.read.counters.slices, self.read.counters.bytes_read, self.read.counters.busy_s,
+            self.bind.read_wall_s, self._callback.blocked_s, self.prefetch.cache_s + self.trim_s,
+            c.misses, c.hits, c.evictions,
+        )
 
     def serve(self, events: Channel[RoutingEvent]) -> list:
         reads: Channel = Channel()
@@ -92,8 +124,10 @@ class _Streaming:
 
     def end_step(self) -> None:
         """Between decode steps: account fast-path hits and evict down to the budget."""
+        t0 = time.perf_counter()
         self.prefetch.account_fast_hits()
         self.prefetch.evict(self.cache.trim())
+        self.trim_s += time.perf_counter() - t0
 
     def close(self) -> None:
         self.lanes.shutdown(wait=True)
@@ -116,7 +150,8 @@ class Session:
         self._compute = ComputeStage(model.decode, callback.arm, callback.disarm, callback.abort)
         self._busy = False
         self._lock: asyncio.Lock | None = None
-        self._base: tuple[int, int, float, float, float, int, int, int] = (0, 0, 0.0, 0.0, 0.0, 0, 0, 0)
+        self.open_mode: str | None = None
+        self.open_bytes_read: int | None = None
         self.last_stats: GenerationStats | None = None
 
     @classmethod
@@ -174,32 +209,30 @@ class Session:
             self._busy = True
             stats = self._new_stats(len(tokens))
             self.last_stats = stats
+            start = self._counters()
             decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
             try:
                 self._model.clear_memory()
-                t0 = time.perf_counter()
-                step = 0
-                for i in range(0, len(tokens), self._model.n_batch):
-                    await self._decode(tokens[i : i + self._model.n_batch], step, PHASE_PREFILL)
-                    step += 1
-                stats.prefill_s = time.perf_counter() - t0
+                n_batch = self._model.n_batch
+                batches = [tokens[i : i + n_batch] for i in range(0, len(tokens), n_batch)]
+                m = await self._measured_decode(batches, 0, PHASE_PREFILL)
+                stats.prefill_s = m.wall_s
                 for i in range(max_tokens):
                     token = int(np.argmax(self._model.logits()))
                     if stop_at_end and self._model.is_end(token):
                         break
                     stats.generated_tokens += 1
-                    yield Piece(token, decoder.decode(self._model.piece(token)))
+                    metrics = self._token_metrics(i, token, m, start)
+                    yield Piece(token, decoder.decode(self._model.piece(token)), metrics)
                     if i + 1 == max_tokens:
                         break
-                    t0 = time.perf_counter()
-                    await self._decode([token], step, PHASE_DECODE)
-                    stats.decode_s += time.perf_counter() - t0
-                    step += 1
+                    m = await self._measured_decode([[token]], m.next_step, PHASE_DECODE)
+                    stats.decode_s += m.wall_s
                 tail = decoder.decode(b"", final=True)
                 if tail:
                     yield Piece(None, tail)
             finally:
-                self._finish_stats(stats)
+                self._finish_stats(stats, start)
                 self._busy = False
 
     async def generate(self, prompt: str, max_tokens: int = 64, *, stop_at_end: bool = True) -> Generation:
@@ -223,28 +256,77 @@ class Session:
             if streaming:
                 streaming.end_step()
 
-    def _new_stats(self, prompt_tokens: int) -> GenerationStats:
-        stats = GenerationStats(self.config.mode, self.io_mode, prompt_tokens=prompt_tokens)
-        if self._streaming:
-            s = self._streaming
-            self._base = (s.read.counters.slices, s.read.counters.bytes_read, s.read.counters.busy_s,
-                          s.bind.read_wall_s, self._callback.blocked_s,
-                          s.cache.misses, s.cache.hits, s.cache.evictions)
-        return stats
+    def _counters(self) -> Counters | None:
+        return self._streaming.counters() if self._streaming else None
 
-    def _finish_stats(self, stats: GenerationStats) -> None:
-        if not self._streaming:
-            return
-        s = self._streaming
-        slices, nbytes, busy, wall, blocked, misses, hits, evictions = self._base
-        stats.slices_read = s.read.counters.slices - slices
-        stats.bytes_read = s.read.counters.bytes_read - nbytes
-        stats.read_busy_s = s.read.counters.busy_s - busy
-        stats.read_wall_s = s.bind.read_wall_s - wall
-        stats.blocked_s = self._callback.blocked_s - blocked
-        stats.experts_read = s.cache.misses - misses
-        stats.cache_hits = s.cache.hits - hits
-        stats.cache_evictions = s.cache.evictions - evictions
+    def _new_stats(self, prompt_tokens: int) -> GenerationStats:
+        return GenerationStats(
+            self.config.mode, self.io_mode, prompt_tokens=prompt_tokens,
+            budget_bytes=self.budget_bytes, open_mode=self.open_mode,
+            open_bytes_read=self.open_bytes_read,
+        )
+
+    def _finish_stats(self, stats: GenerationStats, start: Counters | None) -> None:
+        end = self._counters()
+        if end is not None and start is not None:
+            stats.add_counters(end - start)
+            stats.resident_cache_bytes = self.resident_cache_bytes
+
+    async def _measured_decode(self, batches: list[list[int]], step: int, phase: int) -> _Measure:
+        before, sample, t0 = self._counters(), ProcessSample.now(), time.perf_counter()
+        for tokens in batches:
+            await self._decode(tokens, step, phase)
+            step += 1
+        wall = time.perf_counter() - t0
+        after = self._counters()
+        delta = after - before if after is not None and before is not None else None
+        return _Measure(wall, delta, sample, ProcessSample.now(), step)
+
+    def _token_metrics(self, index: int, token: int, m: _Measure, start: Counters | None) -> TokenMetrics:
+        d = m.delta
+        cum = None
+        if d is not None and start is not None:
+            total = self._counters() - start  # type: ignore[operator]
+            used = total.hits + total.misses
+            cum = 100.0 * total.hits / used if used else None
+        wait = d.blocked_s if d else None
+        return TokenMetrics(
+            index=index, token=token, phase="prefill" if index == 0 else "decode",
+            wall_ms=m.wall_s * 1e3,
+            read_wait_ms=wait * 1e3 if wait is not None else None,
+            cache_ms=d.cache_s * 1e3 if d else None,
+            compute_ms=(m.wall_s - (wait or 0.0)) * 1e3,
+            bytes_read=d.bytes_read if d else None,
+            experts_read=d.misses if d else None,
+            hits=d.hits if d else None,
+            cum_hit_pct=cum,
+            major_faults=m.after.major_faults - m.before.major_faults,
+            cpu_ms=(m.after.cpu_s - m.before.cpu_s) * 1e3,
+            rss_bytes=rss_bytes(),
+            resident_cache_bytes=self.resident_cache_bytes,
+        )
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return self._streaming.cache.budget_bytes if self._streaming else None
+
+    @property
+    def resident_cache_bytes(self) -> int | None:
+        return self._streaming.cache.resident_bytes if self._streaming else None
+
+    @property
+    def warnings(self) -> list[str]:
+        """Things a user should know about this configuration (printed by the CLI)."""
+        out = []
+        if self._streaming and self._streaming.budget.warning:
+            out.append(self._streaming.budget.warning)
+        if self.io_fallback_reason:
+            out.append(f"O_DIRECT is off: {self.io_fallback_reason}")
+        return out
+
+    @property
+    def budget_how(self) -> str | None:
+        return self._streaming.budget.how if self._streaming else None
 
     def set_cache_budget(self, budget_bytes: int) -> None:
         """Change the expert cache budget between generations; evicts down to it at once."""

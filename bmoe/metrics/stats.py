@@ -7,7 +7,25 @@ superset); figures a mode cannot measure are None ("unmeasured"), never 0.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass(frozen=True)
+class Counters:
+    """Monotonic pipeline counters, snapshotted around a token or a generation."""
+
+    slices: int = 0
+    bytes_read: int = 0
+    busy_s: float = 0.0
+    read_wall_s: float = 0.0
+    blocked_s: float = 0.0
+    cache_s: float = 0.0
+    misses: int = 0
+    hits: int = 0
+    evictions: int = 0
+
+    def __sub__(self, other: Counters) -> Counters:
+        return Counters(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
 
 
 @dataclass
@@ -26,6 +44,23 @@ class GenerationStats:
     blocked_s: float | None = None  # compute thread waiting on the pipeline (reads + hops)
     cache_hits: int | None = None
     cache_evictions: int | None = None
+    cache_s: float | None = None  # cache writer time: planning, evicting, trimming
+    budget_bytes: int | None = None
+    resident_cache_bytes: int | None = None  # at the end of the generation
+    open_mode: str | None = None
+    open_bytes_read: int | None = None  # /proc/self/io read_bytes across Session.open
+
+    def add_counters(self, c: Counters) -> None:
+        self.slices_read, self.bytes_read, self.read_busy_s = c.slices, c.bytes_read, c.busy_s
+        self.read_wall_s, self.blocked_s, self.cache_s = c.read_wall_s, c.blocked_s, c.cache_s
+        self.experts_read, self.cache_hits, self.cache_evictions = c.misses, c.hits, c.evictions
+
+    @property
+    def cache_hit_pct(self) -> float | None:
+        if self.cache_hits is None or self.experts_read is None:
+            return None
+        used = self.cache_hits + self.experts_read
+        return 100.0 * self.cache_hits / used if used else None
 
     @property
     def tok_per_s(self) -> float | None:
@@ -45,4 +80,5 @@ class GenerationStats:
         out = asdict(self)
         out["tok_per_s"] = self.tok_per_s
         out["read_mib_per_s"] = self.read_mib_per_s
+        out["cache_hit_pct"] = self.cache_hit_pct
         return out

@@ -33,6 +33,7 @@ class PrefetchStage:
         self._board = board
         self._fast_hits = fast_hits
         self._hooks = hooks
+        self.cache_s = 0.0  # time spent planning and evicting: the cache writer's own cost
 
     def account_fast_hits(self) -> None:
         """Tell the cache about layers the eval callback served alone because all were resident."""
@@ -53,11 +54,13 @@ class PrefetchStage:
     ) -> None:
         try:
             async for event in events:
+                t0 = time.perf_counter()
                 self.account_fast_hits()
                 plan = self._cache.plan(event.layer, event.experts)
+                self.evict(plan.evictions)
+                self.cache_s += time.perf_counter() - t0
                 if self._hooks.on_plan:
                     self._hooks.on_plan(event, plan)
-                self.evict(plan.evictions)
                 if self._hooks.before_layer_reads:
                     self._hooks.before_layer_reads(event.layer, self._residency.layer_spans(event.layer))
                 futures = []

@@ -1,0 +1,126 @@
+"""Cache gates: every budget gives the resident tokens; the budget is a promise; the cache stays
+warm across generations; the metrics CSV carries its configuration."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bmoe.engine.config import MiB, RunConfig
+from bmoe.engine.session import Session
+from bmoe.metrics.sinks import read_csv
+from bmoe.pipeline.hooks import Hooks
+from bmoe.synth.tiny import TinySpec
+from tests.conftest import N_TOKENS, PROMPT, generate_tokens
+
+# Experts of ~0.8 MB (f32) or ~0.2 MB (q8_0): a 1 MiB budget evicts within every token.
+BIG_EXPERTS = TinySpec(n_embd=256, n_ff=256, n_layer=3)
+
+
+def config(cache_bytes: int, **kw: object) -> RunConfig:
+    return RunConfig(mode="stream", n_ctx=256, cache_bytes=cache_bytes, **kw)
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "gemma4"])
+def test_cache_holding_everything_equals_resident_and_stays_warm(tiny, arch: str) -> None:
+    path = tiny.path(TinySpec(arch=arch, n_embd=256, n_ff=256, n_layer=3))
+
+    async def go():  # noqa: ANN202
+        with Session.open(path, config(256 * MiB)) as s:
+            cold = await s.generate(PROMPT, N_TOKENS, stop_at_end=False)
+            warm = await s.generate(PROMPT, N_TOKENS, stop_at_end=False)
+            return cold, warm
+
+    cold, warm = asyncio.run(go())
+    assert cold.tokens == warm.tokens == tiny.resident_tokens(path)
+    assert cold.stats.experts_read > 0 and cold.stats.cache_hits > 0
+    assert warm.stats.experts_read == 0, "the same prompt again routes only cached experts"
+
+
+@pytest.mark.parametrize("wtype", ["f32", "q8_0"])
+def test_evicting_cache_equals_resident_and_the_budget_holds(tiny, wtype: str) -> None:
+    spec = TinySpec(n_embd=256, n_ff=256, n_layer=3, wtype=wtype)
+    path = tiny.path(spec)
+    budget = 1 * MiB
+    held = {"session": None, "layers": 0}
+    entry = {}
+
+    def on_plan(event, plan) -> None:  # noqa: ANN001
+        s = held["session"]
+        e = entry.setdefault("bytes", s.layout.expert_bytes_per_token() // (len(s.layout.moe_layers) * spec.n_expert_used))
+        assert s.resident_cache_bytes <= budget + len(event.experts) * e
+        held["layers"] += 1
+
+    async def go():  # noqa: ANN202
+        with Session.open(path, config(budget), hooks=Hooks(on_plan=on_plan)) as s:
+            held["session"] = s
+            out = []
+            async for piece in s.stream(PROMPT, N_TOKENS, stop_at_end=False):
+                out.append(piece.token)
+                assert s.resident_cache_bytes <= budget, "between decode steps the budget holds"
+            return out, s.last_stats
+
+    tokens, stats = asyncio.run(go())
+    assert tokens == tiny.resident_tokens(path)
+    assert stats.cache_evictions > 0 and held["layers"] >= N_TOKENS * spec.n_layer
+
+
+def test_shrinking_the_budget_to_zero_between_generations(tiny) -> None:
+    path = tiny.path(BIG_EXPERTS)
+
+    async def go():  # noqa: ANN202
+        with Session.open(path, config(64 * MiB)) as s:
+            await s.generate(PROMPT, N_TOKENS, stop_at_end=False)
+            assert s.resident_cache_bytes > 0
+            s.set_cache_budget(0)
+            assert s.resident_cache_bytes == 0
+            after = await s.generate(PROMPT, N_TOKENS, stop_at_end=False)
+            return after
+
+    after = asyncio.run(go())
+    assert after.tokens == tiny.resident_tokens(path)
+    assert after.stats.cache_hits == 0
+
+
+def test_budget_below_working_set_warns_and_tiny_budgets_are_refused(tiny) -> None:
+    path = tiny.path(BIG_EXPERTS)
+    with Session.open(path, config(1 * MiB)) as s:
+        assert any("working set" in w for w in s.warnings)
+    from bmoe.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="at least 1 MiB"):
+        config(4096).validate()
+
+
+def test_auto_budget_is_sized_at_open(tiny) -> None:
+    path = tiny.path(BIG_EXPERTS)
+    with Session.open(path, config(None, cache_ceiling_bytes=5 * MiB)) as s:
+        assert s.budget_bytes == 5 * MiB and "capped" in s.budget_how
+    with Session.open(path, config(None)) as s:
+        assert s.budget_bytes == s.layout.expert_bytes, "a machine with GBs free caches the whole bank"
+
+
+def test_csv_header_carries_the_configuration_and_one_row_per_token(tiny, tmp_path) -> None:
+    path = tiny.path(BIG_EXPERTS)
+    out = tmp_path / "m.csv"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bmoe.engine.cli", "run", "-m", str(path), "-p", PROMPT, "-n", "10",
+         "--cache-mb", "2", "--csv", str(out), "-c", "256", "--json"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    for key in ("cache_hit_pct", "resident_cache_bytes", "open_bytes_read", "budget_bytes"):
+        assert key in result
+    header, rows, summary = read_csv(out)
+    assert header["bmoe"].startswith("0.") and "llama-cpp-python 0.3.36" in header["bmoe"]
+    cfg = json.loads(header["config"])
+    assert cfg["cache_bytes"] == 2 * MiB and cfg["mode"] == "stream"
+    assert len(rows) == result["n_tokens"] == 10
+    assert [int(r["token"]) for r in rows] == result["tokens"]
+    assert summary is not None and summary["n_tokens"] == 10
+    assert float(rows[-1]["wall_ms"]) > 0
