@@ -15,14 +15,14 @@ import sys
 from pathlib import Path
 
 from bmoe.engine.config import MiB, RunConfig
-from bmoe.errors import BmoeError
+from bmoe.errors import BmoeError, ConfigError
 
 DEMO_PROMPT = "The quick brown fox jumps over the lazy dog. Streaming experts from disk:"
 
 
 def _run_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="generate text from a MoE GGUF (greedy)")
-    p.add_argument("-m", "--model", required=True, help="GGUF file (shard 1 of a split set)")
+    p.add_argument("-m", "--model", type=Path, required=True, help="GGUF file (shard 1 of a split set)")
     p.add_argument("-p", "--prompt", required=True)
     p.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate")
     mode = p.add_mutually_exclusive_group()
@@ -57,6 +57,20 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-ceil-mb", type=float, default=None, help="upper bound for the budget")
     p.add_argument("-t", "--threads", type=int, default=None, help="compute threads")
     p.add_argument("-c", "--ctx", type=int, default=2048, help="context length")
+
+
+def _chat_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", help="interactive multi-turn chat; the expert cache stays warm")
+    p.add_argument("-m", "--model", type=Path, required=True, help="GGUF file (shard 1 of a split set)")
+    p.add_argument("-n", "--n-predict", type=int, default=256, help="most tokens per reply")
+    p.add_argument("--system", default=None, help="system message")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--stream", dest="mode", action="store_const", const="stream")
+    mode.add_argument("--resident", dest="mode", action="store_const", const="resident")
+    p.add_argument("--io-threads", type=int, default=2)
+    p.add_argument("--no-odirect", action="store_true")
+    _common_flags(p)
+    p.set_defaults(mode="stream", func=_cmd_chat)
 
 
 def _demo_parser(sub: argparse._SubParsersAction) -> None:
@@ -186,6 +200,57 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _chat(model: Path, config: RunConfig, system: str | None, n: int) -> None:
+    from bmoe.engine.chat import ChatFormat, Message
+    from bmoe.engine.session import Session
+
+    with Session.open(model, config) as session:
+        for warning in session.warnings:
+            print(f"bmoe: warning: {warning}", file=sys.stderr)
+        fmt = ChatFormat(session.chat_template())
+        print(f"bmoe chat: {model.name}, {fmt.description}. An empty line or Ctrl-D ends.",
+              file=sys.stderr)
+        history: list[Message] = [Message("system", system)] if system else []
+        while True:
+            try:
+                line = await asyncio.to_thread(input, "> ")
+            except EOFError:
+                break
+            if not line.strip():
+                break
+            history.append(Message("user", line))
+            prompt = _fit(session, fmt, history, n)
+            parts: list[str] = []
+            async for piece in session.stream(prompt, n, special=True):
+                parts.append(piece.text)
+                sys.stdout.write(piece.text)
+                sys.stdout.flush()
+            print()
+            history.append(Message("assistant", "".join(parts)))
+            stats = session.last_stats
+            if stats is not None:
+                r = {"n_tokens": stats.generated_tokens, **stats.as_dict()}
+                print(_summary(r), file=sys.stderr)
+
+
+def _fit(session, fmt, history, n: int) -> str:  # noqa: ANN001
+    """Render the conversation, dropping the oldest turns (never the system message) to fit."""
+    while True:
+        prompt = fmt.render(history)
+        if len(session.tokenize(prompt, special=True)) + n <= session.n_ctx:
+            return prompt
+        oldest = next((i for i, m in enumerate(history) if m.role != "system"), None)
+        if oldest is None or oldest == len(history) - 1:
+            raise ConfigError(f"the message does not fit the context ({session.n_ctx} tokens); raise -c")
+        del history[oldest]
+        print("bmoe: the conversation outgrew the context; dropped the oldest turn", file=sys.stderr)
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    _run_async(_chat(args.model, _config(args), args.system, args.n_predict))
+    return 0
+
+
 def _cmd_make_tiny(args: argparse.Namespace) -> int:
     from bmoe.synth.tiny import TinySpec, write_tiny
 
@@ -250,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bmoe", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _run_parser(sub)
+    _chat_parser(sub)
     _demo_parser(sub)
     _tiny_parser(sub)
     args = parser.parse_args(argv)

@@ -23,7 +23,7 @@ GGML_LOG_LEVEL_ERROR = 4
 
 
 @cache
-def _llama():  # noqa: ANN202 - the llama_cpp module, imported on first use, never at bmoe import
+def llama_lib():  # noqa: ANN201 - the llama_cpp module, imported on first use, never at bmoe import
     import llama_cpp
 
     llama_cpp.llama_backend_init()
@@ -49,7 +49,7 @@ class LlamaModel:
     ) -> None:
         """``install=False`` leaves llama.cpp without bmoe's eval and abort callbacks (plain
         resident runs): both are Python calls per graph node, which a baseline must not pay."""
-        lib = _llama()
+        lib = llama_lib()
         self._lib = lib
         self.callback = callback
         mparams = lib.llama_model_default_params()
@@ -78,11 +78,12 @@ class LlamaModel:
         self.n_batch = cparams.n_batch
         self._piece_buf = ctypes.create_string_buffer(256)
 
-    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """``parse_special`` lets control-token text (a chat template's markers) become tokens."""
         data = text.encode("utf-8")
         cap = len(data) + 8
         buf = (ctypes.c_int32 * cap)()
-        n = self._lib.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, False)
+        n = self._lib.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
         if n < 0:
             raise LlamaCallError(f"tokenization needs {-n} tokens, more than expected")
         return list(buf[:n])
@@ -92,6 +93,9 @@ class LlamaModel:
         if n < 0:
             raise LlamaCallError(f"token {token} has a piece longer than 256 bytes")
         return self._piece_buf.raw[:n]
+
+    def chat_template(self) -> bytes | None:
+        return self._lib.llama_model_chat_template(self.model, None) or None
 
     def is_end(self, token: int) -> bool:
         return bool(self._lib.llama_vocab_is_eog(self.vocab, token))

@@ -184,18 +184,29 @@ class Session:
     def io_fallback_reason(self) -> str | None:
         return self._streaming.reader.fallback_reason if self._streaming else None
 
-    def tokenize(self, text: str) -> list[int]:
-        return self._model.tokenize(text)
+    def tokenize(self, text: str, *, special: bool = False) -> list[int]:
+        return self._model.tokenize(text, parse_special=special)
 
-    async def stream(self, prompt: str, max_tokens: int = 64, *, stop_at_end: bool = True) -> AsyncIterator[Piece]:
+    @property
+    def n_ctx(self) -> int:
+        return self._model.n_ctx
+
+    def chat_template(self) -> bytes | None:
+        return self._model.chat_template()
+
+    async def stream(
+        self, prompt: str, max_tokens: int = 64, *, stop_at_end: bool = True, special: bool = False
+    ) -> AsyncIterator[Piece]:
         """Greedy generation, one Piece per token; cancel it, or break and close it, at any point.
+
+        ``special`` parses control-token text in the prompt (a chat template's markers) as tokens.
 
         One generation runs at a time: a second waits until the first has finished or been closed
         (a generator abandoned by ``break`` is closed by the event loop shortly after).
         """
         if self._model.ctx is None:
             raise BmoeError("session is closed")
-        tokens = self._model.tokenize(prompt)
+        tokens = self._model.tokenize(prompt, parse_special=special)
         if not tokens:
             raise ConfigError("the prompt tokenizes to nothing")
         if len(tokens) + max_tokens > self._model.n_ctx:

@@ -1,0 +1,41 @@
+"""Chat: template rendering and a multi-turn CLI session whose cache stays warm between turns."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from bmoe.engine.chat import ChatFormat, Message
+from bmoe.synth.tiny import TinySpec
+
+CHATML = (
+    b"{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content']"
+    b" + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_model_template_is_rendered_by_llama_cpp() -> None:
+    fmt = ChatFormat(CHATML)
+    text = fmt.render([Message("system", "be brief"), Message("user", "hi")])
+    assert fmt.description == "the model's own chat template"
+    assert text == "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_without_a_template_a_plain_transcript_is_used() -> None:
+    fmt = ChatFormat(None)
+    assert fmt.render([Message("user", "hi")]) == "user: hi\nassistant:"
+    assert "no chat template" in fmt.description
+
+
+def test_chat_cli_two_turns_with_a_warm_cache(tiny) -> None:
+    path = tiny.path(TinySpec(n_embd=256, n_ff=256, n_layer=3))
+    proc = subprocess.run(
+        [sys.executable, "-m", "bmoe.engine.cli", "chat", "-m", str(path), "-n", "8", "--cache-mb", "64", "-c", "512"],
+        input="hello there, how are you today?\nand again, the same words please\n",
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    hits = [float(h) for h in re.findall(r"hit ([0-9.]+)%", proc.stderr)]
+    assert len(hits) == 2, proc.stderr
+    assert hits[1] > hits[0], "the second turn finds experts the first one cached"
