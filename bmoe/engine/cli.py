@@ -55,6 +55,10 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-mb", type=_cache_mb, default=0.0,
                    help="expert cache budget in MiB, or 'auto' (0 = off: every routed expert read)")
     p.add_argument("--cache-ceil-mb", type=float, default=None, help="upper bound for the budget")
+    p.add_argument("--dense-weights", choices=("mmap", "anon"), default="mmap",
+                   help="anon: copy dense weights into anonymous memory (safe from page-cache churn)")
+    p.add_argument("--open-mode", choices=("auto", "user", "mmap", "mmap-drop"), default="auto",
+                   help="how a streamed model is opened (auto: the cheapest that works here)")
     p.add_argument("-t", "--threads", type=int, default=None, help="compute threads")
     p.add_argument("-c", "--ctx", type=int, default=2048, help="context length")
 
@@ -104,6 +108,8 @@ def _config(args: argparse.Namespace) -> RunConfig:
         n_ctx=args.ctx,
         cache_bytes=None if args.cache_mb is None else int(args.cache_mb * MiB),
         cache_ceiling_bytes=None if args.cache_ceil_mb is None else int(args.cache_ceil_mb * MiB),
+        dense_weights=args.dense_weights,
+        open_mode=args.open_mode,
     ).validate()
 
 
@@ -147,6 +153,7 @@ async def _generate(model: Path, config: RunConfig, prompt: str, n: int, *, echo
                     "n_tokens": len(tokens),
                     "io_fallback_reason": session.io_fallback_reason,
                     "budget_how": session.budget_how,
+                    "open_reason": session.open_reason,
                     **stats.as_dict(),
                 }
                 for sink in sinks:
@@ -252,7 +259,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _cmd_make_tiny(args: argparse.Namespace) -> int:
-    from bmoe.synth.tiny import TinySpec, write_tiny
+    from bmoe.synth.tiny import TinySpec
 
     spec = TinySpec(arch=args.arch, wtype=args.wtype, n_layer=args.layers, n_embd=args.embd,
                     n_expert=args.experts, n_expert_used=args.used, n_ff=args.ff, seed=args.seed,

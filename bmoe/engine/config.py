@@ -9,6 +9,8 @@ from typing import Literal
 from bmoe.errors import ConfigError
 
 Mode = Literal["stream", "resident"]
+OPEN_MODES = ("auto", "user", "mmap", "mmap-drop")
+DENSE_POLICIES = ("mmap", "anon")
 MiB = 1 << 20
 
 
@@ -24,6 +26,10 @@ class RunConfig:
     cache_bytes: int | None = 0
     cache_ceiling_bytes: int | None = None
     cache_policy: str = "lru"
+    # How the model is opened when streaming (bmoe.engine.loader): auto picks the cheapest that works.
+    open_mode: str = "auto"
+    # Dense weights: stay in llama.cpp's file mapping, or copied into anonymous memory ("anon").
+    dense_weights: str = "mmap"
     # Resident mode only: install the eval callback that filters nodes but streams nothing, to
     # measure what the callback itself costs.
     eval_filter: bool = False
@@ -43,6 +49,12 @@ class RunConfig:
             )
         if self.cache_ceiling_bytes is not None and self.cache_ceiling_bytes < 0:
             raise ConfigError(f"cache ceiling must be >= 0, got {self.cache_ceiling_bytes}")
+        if self.open_mode not in OPEN_MODES:
+            raise ConfigError(f"open_mode must be one of {', '.join(OPEN_MODES)}, got {self.open_mode!r}")
+        if self.dense_weights not in DENSE_POLICIES:
+            raise ConfigError(
+                f"dense_weights must be one of {', '.join(DENSE_POLICIES)}, got {self.dense_weights!r}"
+            )
         if self.eval_filter and self.mode != "resident":
             raise ConfigError("eval_filter measures the callback alone and needs mode='resident'")
         return self

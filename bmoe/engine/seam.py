@@ -2,8 +2,10 @@
 
 Everything bmoe asks of llama.cpp goes through this module, so a pin bump has one place to review
 (third_party/llama.cpp/SEAM.md lists the contract). Failure codes become LlamaCallError here.
-The model is loaded in mmap mode with ``use_extra_bufts=False``: expert weights must keep the
-gguf layout, because their bytes are read straight from the file into rebound memory.
+The model is loaded with ``use_extra_bufts=False``: expert weights must keep the gguf layout,
+because their bytes are read straight from the file into rebound memory. ``LlamaModel`` either
+loads the file itself (plain mmap load) or takes a model ``bmoe.engine.loader.open_model`` opened
+(``init_from_user`` with only the dense bytes read, or mmap).
 """
 
 from __future__ import annotations
@@ -12,11 +14,15 @@ import ctypes
 import os
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from bmoe.engine.callback import EvalCallback
 from bmoe.errors import DecodeAbortedError, LlamaCallError
+
+if TYPE_CHECKING:
+    from bmoe.engine.loader import OpenedModel
 
 LOAD_MODE_MMAP = 1
 GGML_LOG_LEVEL_ERROR = 4
@@ -41,25 +47,45 @@ _quiet_log = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void
 _no_progress = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_float, ctypes.c_void_p)(lambda _p, _u: True)
 
 
+def model_params():  # noqa: ANN201 - a llama_cpp.llama_model_params
+    """The params of bmoe's plain load: CPU only, no repacking (weights keep the gguf layout),
+    mmap load mode, no progress dots."""
+    lib = llama_lib()
+    mparams = lib.llama_model_default_params()
+    mparams.n_gpu_layers = 0
+    mparams.use_extra_bufts = False
+    mparams.load_mode = LOAD_MODE_MMAP
+    mparams.progress_callback = _no_progress
+    return mparams
+
+
 class LlamaModel:
     """A loaded model and one context on it, with bmoe's callbacks installed."""
 
     def __init__(
-        self, path: Path, *, n_ctx: int, n_threads: int, callback: EvalCallback, install: bool
+        self, path: Path | None = None, *, n_ctx: int, n_threads: int, callback: EvalCallback,
+        install: bool, opened: OpenedModel | None = None,
     ) -> None:
         """``install=False`` leaves llama.cpp without bmoe's eval and abort callbacks (plain
-        resident runs): both are Python calls per graph node, which a baseline must not pay."""
+        resident runs): both are Python calls per graph node, which a baseline must not pay.
+
+        Either ``path`` (a plain mmap load here) or ``opened`` (a model from
+        ``bmoe.engine.loader.open_model``, whichever way it was opened). An ``opened`` model is
+        owned from then on: ``close`` frees it, and so does a failure to create the context.
+        """
         lib = llama_lib()
         self._lib = lib
         self.callback = callback
-        mparams = lib.llama_model_default_params()
-        mparams.n_gpu_layers = 0
-        mparams.use_extra_bufts = False
-        mparams.load_mode = LOAD_MODE_MMAP
-        mparams.progress_callback = _no_progress
-        self.model = lib.llama_model_load_from_file(str(path).encode(), mparams)
-        if not self.model:
-            raise LlamaCallError(f"llama.cpp could not load {path}")
+        self._opened = opened
+        if opened is not None:
+            self.model = opened.model
+        else:
+            if path is None:
+                raise TypeError("LlamaModel needs a path or an opened model")
+            self.model = lib.llama_model_load_from_file(str(path).encode(), model_params())
+            if not self.model:
+                raise LlamaCallError(f"llama.cpp could not load {path}")
+        where = path if path is not None else "the opened model"
         cparams = lib.llama_context_default_params()
         cparams.n_ctx = n_ctx
         cparams.n_batch = cparams.n_ubatch = min(512, n_ctx)
@@ -70,8 +96,8 @@ class LlamaModel:
         cparams.no_perf = True
         self.ctx = lib.llama_init_from_model(self.model, cparams)
         if not self.ctx:
-            lib.llama_model_free(self.model)
-            raise LlamaCallError(f"llama.cpp could not create a context (n_ctx={n_ctx}) for {path}")
+            self._free_model()
+            raise LlamaCallError(f"llama.cpp could not create a context (n_ctx={n_ctx}) for {where}")
         self.vocab = lib.llama_model_get_vocab(self.model)
         self.n_vocab = lib.llama_vocab_n_tokens(self.vocab)
         self.n_ctx = lib.llama_n_ctx(self.ctx)
@@ -125,6 +151,12 @@ class LlamaModel:
         if self.ctx:
             self._lib.llama_free(self.ctx)
             self.ctx = None
-        if self.model:
+        self._free_model()
+
+    def _free_model(self) -> None:
+        if self._opened is not None:
+            self._opened.free()
+            self._opened = None
+        elif self.model:
             self._lib.llama_model_free(self.model)
-            self.model = None
+        self.model = None

@@ -13,7 +13,6 @@ import codecs
 import re
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,24 +21,25 @@ import numpy as np
 from bmoe.engine.callback import Capture, EvalCallback
 from bmoe.engine.config import RunConfig
 from bmoe.engine.ggml import check_live_tensor, check_overhead
-from bmoe.engine.recipes import recipe_for
+from bmoe.engine.loader import (
+    OpenedModel,
+    capture_weights,
+    mapping_spans,
+    open_model,
+    read_io_bytes,
+    release_file_pages,
+)
 from bmoe.engine.seam import LlamaModel
+from bmoe.engine.streaming import Streamer
 from bmoe.errors import BmoeError, ConfigError, SeamMismatchError
-from bmoe.io.direct import ShardReader
 from bmoe.io.layout import ModelLayout
 from bmoe.io.validate import open_layout
 from bmoe.metrics.stats import Counters, GenerationStats
 from bmoe.metrics.tokens import ProcessSample, TokenMetrics, rss_bytes
-from bmoe.pipeline.budget import read_meminfo, resolve_budget
-from bmoe.pipeline.cache import ExpertCache, make_policy
-from bmoe.pipeline.channel import Channel
-from bmoe.pipeline.events import PHASE_DECODE, PHASE_PREFILL, RoutingEvent
+from bmoe.pipeline.events import PHASE_DECODE, PHASE_PREFILL
 from bmoe.pipeline.hooks import Hooks
-from bmoe.pipeline.readiness import ReadinessBoard
-from bmoe.stages.bind import BindStage, Residency
 from bmoe.stages.compute import ComputeStage
-from bmoe.stages.prefetch import PrefetchStage
-from bmoe.stages.read import ReadStage
+from bmoe.stages.dense import AnonDense
 
 _EXPERT_TENSOR = re.compile(rb"^blk\.(\d+)\.([a-z_]+_exps)\.weight$")
 
@@ -70,111 +70,63 @@ class Generation:
     stats: GenerationStats | None = None
 
 
-class _Streaming:
-    """The streaming parts of a session: regions, reader, cache and the stages over them."""
-
-    def __init__(
-        self, layout: ModelLayout, tensors: dict[tuple[int, str], int], config: RunConfig,
-        callback: EvalCallback, hooks: Hooks,
-    ) -> None:
-        self.residency = Residency(layout, tensors)
-        self.reader = ShardReader(layout.shards, direct=config.odirect)
-        try:
-            first = layout.layer_experts(layout.moe_layers[0])[0]
-            self.reader.verify(first.span.shard, first.span.offset, first.stride)
-            meminfo = read_meminfo()
-            self.budget = resolve_budget(
-                config.cache_bytes,
-                ceiling=config.cache_ceiling_bytes,
-                mem_available=meminfo.get("MemAvailable", 0),
-                mem_total=meminfo.get("MemTotal", 0),
-                dense_bytes=layout.dense_bytes,
-                expert_bank_bytes=layout.expert_bytes,
-                working_set_bytes=layout.expert_bytes_per_token(),
-            )
-            self.cache = ExpertCache(
-                self.budget.bytes, self.residency.entry_bytes(), make_policy(config.cache_policy)
-            )
-            self.lanes = ThreadPoolExecutor(config.io_threads, thread_name_prefix="bmoe-io")
-        except BaseException:
-            self.reader.close()
-            self.residency.close()
-            raise
-        self.board = ReadinessBoard()
-        self.prefetch = PrefetchStage(self.cache, self.residency, self.board, callback.fast_hits, hooks)
-        self.read = ReadStage(self.reader, self.lanes, self.board, hooks)
-        self.bind = BindStage(self.residency)
-        self._callback = callback
-        self.trim_s = 0.0
-        callback.set_resident_maps(self.residency.maps)
-        self.residency.bind()
-
-    def counters(self) -> Counters:
-        c = self.cache
-        return Counters(
-            self.read.counters.slices, self.read.counters.bytes_read, self.read.counters.busy_s,
-            self.bind.read_wall_s, self._callback.blocked_s, self.prefetch.cache_s + self.trim_s,
-            c.misses, c.hits, c.evictions,
-        )
-
-    def serve(self, events: Channel[RoutingEvent]) -> list:
-        reads: Channel = Channel()
-        binds: Channel = Channel()
-        return [self.prefetch.run(events, reads, binds), self.read.run(reads), self.bind.run(binds)]
-
-    def end_step(self) -> None:
-        """Between decode steps: account fast-path hits and evict down to the budget."""
-        t0 = time.perf_counter()
-        self.prefetch.account_fast_hits()
-        self.prefetch.evict(self.cache.trim())
-        self.trim_s += time.perf_counter() - t0
-
-    def close(self) -> None:
-        self.lanes.shutdown(wait=True)
-        self.residency.close()
-        self.reader.close()
-
-
 class Session:
     """Use ``Session.open``; ``close`` (or ``async with``) restores llama.cpp's pointers and frees."""
 
     def __init__(
         self, layout: ModelLayout, config: RunConfig, model: LlamaModel, callback: EvalCallback,
-        streaming: _Streaming | None,
+        opened: OpenedModel, streaming: Streamer | None, dense: AnonDense | None,
     ) -> None:
         self.layout = layout
         self.config = config
         self._model = model
         self._callback = callback
         self._streaming = streaming
+        self._dense = dense
         self._compute = ComputeStage(model.decode, callback.arm, callback.disarm, callback.abort)
         self._busy = False
         self._lock: asyncio.Lock | None = None
-        self.open_mode: str | None = None
-        self.open_bytes_read: int | None = None
+        self.open_mode = opened.open_mode
+        self.open_reason = opened.open_reason
+        self.open_bytes_read = opened.open_bytes_read
         self.last_stats: GenerationStats | None = None
 
     @classmethod
     def open(cls, path: str | Path, config: RunConfig | None = None, *, hooks: Hooks | None = None) -> Session:
+        """Validate the file, open it the cheapest way that works, and get streaming ready."""
         config = (config or RunConfig()).validate()
+        io_before = read_io_bytes()
         layout = open_layout(path)
-        recipe_for(layout.arch)
-        check_overhead()
+        streaming = config.mode == "stream"
+        if streaming:
+            check_overhead()
+        opened = open_model(layout, streaming=streaming, mode=config.open_mode if streaming else "mmap")
         callback = EvalCallback()
         model = LlamaModel(
-            layout.shards[0], n_ctx=config.n_ctx, n_threads=config.threads, callback=callback,
-            install=config.mode == "stream" or config.eval_filter,
+            n_ctx=config.n_ctx, n_threads=config.threads, callback=callback,
+            install=streaming or config.eval_filter, opened=opened,
         )
-        streaming = None
+        streamer = dense = None
         try:
-            if config.mode == "stream":
-                tensors = _capture_experts(model, callback)
-                streaming = _Streaming(layout, tensors, config, callback, hooks or Hooks())
+            if streaming:
+                tensors = opened.expert_tensors(layout) or _capture_experts(model, callback)
+                check_live_tensor(next(iter(tensors.values())))
+                if opened.open_mode == "mmap-drop":
+                    release_file_pages(layout, mapping_spans(layout, tensors))
+                streamer = Streamer(layout, tensors, config, callback, hooks or Hooks())
                 callback.streaming = True
+            if config.dense_weights == "anon":
+                dense = _anon_dense(layout, opened, model, config)
         except BaseException:
+            if streamer is not None:
+                streamer.close()
             model.close()
             raise
-        return cls(layout, config, model, callback, streaming)
+        session = cls(layout, config, model, callback, opened, streamer, dense)
+        io_after = read_io_bytes()
+        if io_before is not None and io_after is not None:
+            session.open_bytes_read = io_after - io_before  # the index, the model, any capture
+        return session
 
     @property
     def io_mode(self) -> str | None:
@@ -348,9 +300,13 @@ class Session:
         self._streaming.prefetch.evict(self._streaming.cache.set_budget(budget_bytes))
 
     def close(self) -> None:
+        """Restore every rebound pointer before the memory behind it goes, then free the model."""
         if self._streaming is not None:
             self._streaming.close()
             self._streaming = None
+        if self._dense is not None:
+            self._dense.close()
+            self._dense = None
         self._compute.close()
         self._model.close()
 
@@ -367,8 +323,19 @@ class Session:
         self.close()
 
 
+def _anon_dense(layout: ModelLayout, opened: OpenedModel, model: LlamaModel, config: RunConfig) -> AnonDense:
+    """Copy the dense weights into anonymous memory so page-cache churn cannot evict them."""
+    expert_names = {et.span.name for et in layout.experts.values()}
+    names = [n for n in layout.tensors if n not in expert_names]
+    tensors = opened.tensors or capture_weights(model.model, names, n_threads=config.threads)
+    dense = AnonDense(layout, tensors, open_mode=opened.open_mode)
+    dense.apply()
+    return dense
+
+
 def _capture_experts(model: LlamaModel, callback: EvalCallback) -> dict[tuple[int, str], int]:
-    """One-token warm-up decode that records each expert tensor the graph uses, then clears the KV."""
+    """One-token warm-up decode that records each expert tensor the graph uses, then clears the KV.
+    Needed after an mmap open, where no tensor callback told us the addresses."""
     capture = Capture(lambda name: _EXPERT_TENSOR.match(name) is not None)
     callback.capture = capture
     try:
@@ -378,7 +345,6 @@ def _capture_experts(model: LlamaModel, callback: EvalCallback) -> dict[tuple[in
         model.clear_memory()
     if not capture.tensors:
         raise SeamMismatchError("the warm-up decode saw no expert matmul: node names changed?")
-    check_live_tensor(next(iter(capture.tensors.values())))
     out = {}
     for name, addr in capture.tensors.items():
         m = _EXPERT_TENSOR.match(name)

@@ -228,8 +228,17 @@ def read_index(path: Path, shard: int = 0) -> ShardIndex:
         raise TruncatedFileError(
             f"{path}: header claims {n_tensors} tensors and {n_kv} keys, more than {size} bytes can hold"
         )
-    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        return _Walker(path, buf, size).walk(version, n_kv, n_tensors, shard)
+    with path.open("rb") as f:
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            # No fault read-around: it would read megabytes of tensor data behind a small header,
+            # which a streamed open must not pay. The walker asks for the header window by window.
+            buf.madvise(mmap.MADV_RANDOM)
+            walker = _Walker(path, buf, size)
+            index = walker.walk(version, n_kv, n_tensors, shard)
+        # Drop the header pages, and the read-ahead marks on them, which would otherwise set off
+        # read-ahead into tensor data when llama.cpp reads near them.
+        os.posix_fadvise(f.fileno(), 0, walker.read_ahead_end, os.POSIX_FADV_DONTNEED)
+    return index
 
 
 def _check_version(path: Path, version: int) -> None:
@@ -240,12 +249,28 @@ def _check_version(path: Path, version: int) -> None:
     raise GGUFVersionError(f"{path}: GGUF version {version} is not supported (only 2 and 3)")
 
 
+# Header read-ahead window: large enough for few I/Os on a real vocabulary (megabytes of header),
+# small enough that the overshoot into tensor data stays a rounding error of the dense bytes.
+_HEADER_WINDOW = 256 * 1024
+
+
 class _Walker:
     """A cursor over one header: every read is bounds-checked before it is made."""
 
     def __init__(self, path: Path, buf: mmap.mmap, size: int) -> None:
         self.path, self.buf, self.size = path, buf, size
         self.pos = _HEADER.size
+        self._ahead = 0  # the header is read ahead in windows up to here
+
+    @property
+    def read_ahead_end(self) -> int:
+        return self._ahead
+
+    def _read_ahead(self, end: int) -> None:
+        while self._ahead < end:
+            length = min(_HEADER_WINDOW, self.size - self._ahead)
+            self.buf.madvise(mmap.MADV_WILLNEED, self._ahead, length)
+            self._ahead += length
 
     def walk(self, version: int, n_kv: int, n_tensors: int, shard: int) -> ShardIndex:
         metadata: dict[str, Scalar] = {}
@@ -265,6 +290,7 @@ class _Walker:
         if n > self.size - start:
             raise TruncatedFileError(f"{self.path}: {what} at offset {start} runs past the end of the file")
         self.pos = start + n
+        self._read_ahead(self.pos)
         return start
 
     def _u32(self, what: str) -> int:

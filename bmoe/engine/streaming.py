@@ -1,0 +1,91 @@
+"""The streaming side of a session: expert regions, the reader, the cache and the stages over them.
+
+Built once at open when the session streams; each decode call asks ``serve`` for the stage
+coroutines that answer its routing events, and ``end_step`` brings the cache back under its budget
+between decode calls.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from bmoe.engine.callback import EvalCallback
+from bmoe.engine.config import RunConfig
+from bmoe.io.direct import ShardReader
+from bmoe.io.layout import ModelLayout
+from bmoe.metrics.stats import Counters
+from bmoe.pipeline.budget import read_meminfo, resolve_budget
+from bmoe.pipeline.cache import ExpertCache, make_policy
+from bmoe.pipeline.channel import Channel
+from bmoe.pipeline.events import RoutingEvent
+from bmoe.pipeline.hooks import Hooks
+from bmoe.pipeline.readiness import ReadinessBoard
+from bmoe.stages.bind import BindStage, Residency
+from bmoe.stages.prefetch import PrefetchStage
+from bmoe.stages.read import ReadStage
+
+
+class Streamer:
+    """Owns what streaming needs; ``close`` restores llama.cpp's expert pointers first."""
+
+    def __init__(
+        self, layout: ModelLayout, tensors: dict[tuple[int, str], int], config: RunConfig,
+        callback: EvalCallback, hooks: Hooks,
+    ) -> None:
+        self.residency = Residency(layout, tensors)
+        self.reader = ShardReader(layout.shards, direct=config.odirect)
+        try:
+            first = layout.layer_experts(layout.moe_layers[0])[0]
+            self.reader.verify(first.span.shard, first.span.offset, first.stride)
+            meminfo = read_meminfo()
+            self.budget = resolve_budget(
+                config.cache_bytes,
+                ceiling=config.cache_ceiling_bytes,
+                mem_available=meminfo.get("MemAvailable", 0),
+                mem_total=meminfo.get("MemTotal", 0),
+                dense_bytes=layout.dense_bytes,
+                expert_bank_bytes=layout.expert_bytes,
+                working_set_bytes=layout.expert_bytes_per_token(),
+            )
+            self.cache = ExpertCache(
+                self.budget.bytes, self.residency.entry_bytes(), make_policy(config.cache_policy)
+            )
+            self.lanes = ThreadPoolExecutor(config.io_threads, thread_name_prefix="bmoe-io")
+        except BaseException:
+            self.reader.close()
+            self.residency.close()
+            raise
+        self.board = ReadinessBoard()
+        self.prefetch = PrefetchStage(self.cache, self.residency, self.board, callback.fast_hits, hooks)
+        self.read = ReadStage(self.reader, self.lanes, self.board, hooks)
+        self.bind = BindStage(self.residency)
+        self._callback = callback
+        self.trim_s = 0.0
+        callback.set_resident_maps(self.residency.maps)
+        self.residency.bind()
+
+    def counters(self) -> Counters:
+        c = self.cache
+        return Counters(
+            self.read.counters.slices, self.read.counters.bytes_read, self.read.counters.busy_s,
+            self.bind.read_wall_s, self._callback.blocked_s, self.prefetch.cache_s + self.trim_s,
+            c.misses, c.hits, c.evictions,
+        )
+
+    def serve(self, events: Channel[RoutingEvent]) -> list:
+        reads: Channel = Channel()
+        binds: Channel = Channel()
+        return [self.prefetch.run(events, reads, binds), self.read.run(reads), self.bind.run(binds)]
+
+    def end_step(self) -> None:
+        """Between decode steps: account fast-path hits and evict down to the budget."""
+        t0 = time.perf_counter()
+        self.prefetch.account_fast_hits()
+        self.prefetch.evict(self.cache.trim())
+        self.trim_s += time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.lanes.shutdown(wait=True)
+        self.residency.close()
+        self.reader.close()
