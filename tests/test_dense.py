@@ -9,9 +9,15 @@ import pytest
 
 from bmoe.engine.callback import EvalCallback
 from bmoe.engine.ggml import GgmlTensor
-from bmoe.engine.loader import capture_weights, evict_file_cache, open_model, resident_bytes
+from bmoe.engine.loader import (
+    capture_weights,
+    evict_file_cache,
+    open_model,
+    resident_bytes,
+)
 from bmoe.engine.seam import LlamaModel
 from bmoe.io.layout import read_layout
+from bmoe.pipeline.gate import RoutingGate
 from bmoe.stages.dense import ALIGN, AnonDense
 from bmoe.synth.tiny import TinySpec, write_tiny
 
@@ -34,7 +40,7 @@ def test_anon_dense_generates_the_same(tmp_path: Path, arch: str, wtype: str) ->
     layout = read_layout(write_tiny(tmp_path / "tiny.gguf", TinySpec(arch=arch, wtype=wtype, n_embd=256))[0])
     evict_file_cache(layout.shards)  # written back: the released pages can leave the page cache
     opened = open_model(layout, streaming=False, mode="mmap")
-    model = LlamaModel(n_ctx=128, n_threads=2, callback=EvalCallback(), install=False, opened=opened)
+    model = LlamaModel(n_ctx=128, n_threads=2, callback=EvalCallback(RoutingGate()), install=False, opened=opened)
     try:
         logits0, tokens0 = generate(model)
         expert_names = {et.span.name for et in layout.experts.values()}

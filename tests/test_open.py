@@ -29,6 +29,7 @@ from bmoe.engine.loader import (
 from bmoe.engine.seam import LlamaModel
 from bmoe.errors import SeamError
 from bmoe.io.layout import ModelLayout, read_layout
+from bmoe.pipeline.gate import RoutingGate
 from bmoe.stages.bind import Residency
 from bmoe.synth import tiny as tiny_mod
 from bmoe.synth.tiny import TinySpec, write_tiny
@@ -46,7 +47,7 @@ def greedy(opened: OpenedModel, n: int = N_TOKENS, *, keep: bool = False) -> tup
     """Logits after the prompt and ``n`` greedy tokens, on a context of its own. Frees the model
     unless ``keep``."""
     owned = opened if not keep else OpenedModel(opened.model, opened.open_mode, opened.open_reason, None)
-    model = LlamaModel(n_ctx=128, n_threads=2, callback=EvalCallback(), install=False, opened=owned)
+    model = LlamaModel(n_ctx=128, n_threads=2, callback=EvalCallback(RoutingGate()), install=False, opened=owned)
     try:
         model.decode(model.tokenize(PROMPT))
         first = model.logits().copy()

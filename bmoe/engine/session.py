@@ -37,6 +37,7 @@ from bmoe.io.validate import open_layout
 from bmoe.metrics.stats import Counters, GenerationStats
 from bmoe.metrics.tokens import ProcessSample, TokenMetrics, rss_bytes
 from bmoe.pipeline.events import PHASE_DECODE, PHASE_PREFILL
+from bmoe.pipeline.gate import RoutingGate
 from bmoe.pipeline.hooks import Hooks
 from bmoe.stages.compute import ComputeStage
 from bmoe.stages.dense import AnonDense
@@ -83,7 +84,8 @@ class Session:
         self._callback = callback
         self._streaming = streaming
         self._dense = dense
-        self._compute = ComputeStage(model.decode, callback.arm, callback.disarm, callback.abort)
+        gate = callback.gate
+        self._compute = ComputeStage(model.decode, gate.arm, gate.disarm, gate.abort)
         self._busy = False
         self._lock: asyncio.Lock | None = None
         self.open_mode = opened.open_mode
@@ -101,7 +103,7 @@ class Session:
         if streaming:
             check_overhead()
         opened = open_model(layout, streaming=streaming, mode=config.open_mode if streaming else "mmap")
-        callback = EvalCallback()
+        callback = EvalCallback(RoutingGate())
         model = LlamaModel(
             n_ctx=config.n_ctx, n_threads=config.threads, callback=callback,
             install=streaming or config.eval_filter, opened=opened,
@@ -113,7 +115,7 @@ class Session:
                 check_live_tensor(next(iter(tensors.values())))
                 if opened.open_mode == "mmap-drop":
                     release_file_pages(layout, mapping_spans(layout, tensors))
-                streamer = Streamer(layout, tensors, config, callback, hooks or Hooks())
+                streamer = Streamer(layout, tensors, config, callback.gate, hooks or Hooks())
                 callback.streaming = True
             if config.dense_weights == "anon":
                 dense = _anon_dense(layout, opened, model, config)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from bmoe.engine.callback import EvalCallback
 from bmoe.engine.config import RunConfig
 from bmoe.io.direct import ShardReader
 from bmoe.io.layout import ModelLayout
@@ -19,6 +18,7 @@ from bmoe.pipeline.budget import read_meminfo, resolve_budget
 from bmoe.pipeline.cache import ExpertCache, make_policy
 from bmoe.pipeline.channel import Channel
 from bmoe.pipeline.events import RoutingEvent
+from bmoe.pipeline.gate import RoutingGate
 from bmoe.pipeline.hooks import Hooks
 from bmoe.pipeline.readiness import ReadinessBoard
 from bmoe.stages.bind import BindStage, Residency
@@ -31,7 +31,7 @@ class Streamer:
 
     def __init__(
         self, layout: ModelLayout, tensors: dict[tuple[int, str], int], config: RunConfig,
-        callback: EvalCallback, hooks: Hooks,
+        gate: RoutingGate, hooks: Hooks,
     ) -> None:
         self.residency = Residency(layout, tensors)
         self.reader = ShardReader(layout.shards, direct=config.odirect)
@@ -57,19 +57,19 @@ class Streamer:
             self.residency.close()
             raise
         self.board = ReadinessBoard()
-        self.prefetch = PrefetchStage(self.cache, self.residency, self.board, callback.fast_hits, hooks)
+        self.prefetch = PrefetchStage(self.cache, self.residency, self.board, gate.fast_hits, hooks)
         self.read = ReadStage(self.reader, self.lanes, self.board, hooks)
         self.bind = BindStage(self.residency)
-        self._callback = callback
+        self._gate = gate
         self.trim_s = 0.0
-        callback.set_resident_maps(self.residency.maps)
+        gate.set_resident_maps(self.residency.maps)
         self.residency.bind()
 
     def counters(self) -> Counters:
         c = self.cache
         return Counters(
             self.read.counters.slices, self.read.counters.bytes_read, self.read.counters.busy_s,
-            self.bind.read_wall_s, self._callback.blocked_s, self.prefetch.cache_s + self.trim_s,
+            self.bind.read_wall_s, self._gate.blocked_s, self.prefetch.cache_s + self.trim_s,
             c.misses, c.hits, c.evictions,
         )
 

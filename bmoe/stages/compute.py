@@ -20,7 +20,7 @@ class ComputeStage:
     def __init__(
         self,
         decode: DecodeFn,
-        arm: Callable[[asyncio.AbstractEventLoop, Channel[RoutingEvent], int, int], None],
+        arm: Callable[[asyncio.AbstractEventLoop, Channel[RoutingEvent] | None, int, int], None],
         disarm: Callable[[], None],
         abort: Callable[[BaseException], None],
     ) -> None:
@@ -38,7 +38,11 @@ class ComputeStage:
         """Decode one batch; ``serve`` starts the stage coroutines that answer its routing events."""
         loop = asyncio.get_running_loop()
         if serve is None:
-            await self._run(loop, tokens)
+            self._arm(loop, None, step, phase)
+            try:
+                await self._run(loop, tokens)
+            finally:
+                self._disarm()
             return
         events: Channel[RoutingEvent] = Channel()
         self._arm(loop, events, step, phase)
