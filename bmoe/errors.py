@@ -92,3 +92,16 @@ class DecodeAbortedError(BmoeError):
 
 class GenerationCancelled(DecodeAbortedError):
     pass
+
+
+def first_error(group: BaseExceptionGroup) -> BaseException:
+    """The exception a caller should see from a task group: a bmoe error before anything else
+    (a stage failure before the cancellations it caused)."""
+    flat: list[BaseException] = []
+
+    def walk(g: BaseExceptionGroup) -> None:
+        for e in g.exceptions:
+            walk(e) if isinstance(e, BaseExceptionGroup) else flat.append(e)
+
+    walk(group)
+    return next((e for e in flat if isinstance(e, BmoeError)), flat[0])

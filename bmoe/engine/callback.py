@@ -29,6 +29,8 @@ _FFN_MOE = int.from_bytes(b"ffn_moe_", "little")
 _TOPK = int.from_bytes(b"topk-", "little")
 _MASK5 = (1 << 40) - 1
 _TOPK_NAME_LEN = len("ffn_moe_topk-")
+_WEIGHTS = int.from_bytes(b"weights-", "little")
+_WEIGHTS_NAME_LEN = len("ffn_moe_weights-")
 
 
 class Capture:
@@ -46,6 +48,31 @@ class Capture:
                 self.tensors[name] = src0
 
 
+class Consumption:
+    """Overlap discovery: per layer, the nodes where each expert projection is first consumed, in
+    graph order. A node consumes a projection when the expert tensor is its src[0] (the matmul)
+    or its src[0]'s src[0] (the scale multiply that follows an unnamed matmul in user-open mode)."""
+
+    def __init__(self, tensors: dict[int, tuple[int, int]]) -> None:
+        self._tensors = tensors  # ggml_tensor address -> (layer, projection)
+        self.order: dict[int, list[tuple[bytes, int]]] = {}  # layer -> [(node name, projection)]
+
+    def visit(self, node: int) -> None:
+        src0 = _ptr(node + SRC_OFFSET).value
+        if not src0:
+            return
+        hit = self._tensors.get(src0)
+        if hit is None:
+            src00 = _ptr(src0 + SRC_OFFSET).value
+            hit = self._tensors.get(src00) if src00 else None
+        if hit is None:
+            return
+        layer, proj = hit
+        seen = self.order.setdefault(layer, [])
+        if all(p != proj for _, p in seen):
+            seen.append((GgmlTensor.from_address(node).name, proj))
+
+
 class EvalCallback:
     """Owns the ctypes callback objects for a context's lifetime (they must outlive it)."""
 
@@ -57,6 +84,10 @@ class EvalCallback:
         self.gate = gate
         self.streaming = False
         self.capture: Capture | None = None
+        # Route traces only: the routed experts' router probabilities, per layer (tokens x k).
+        self.weights_tap: Callable[[int, np.ndarray], None] | None = None
+        # Overlap only: node name -> (layer, projection to wait for once that node has run).
+        self.wait_after: dict[bytes, tuple[int, int]] | None = None
 
     @property
     def error(self) -> BaseException | None:
@@ -74,7 +105,14 @@ class EvalCallback:
             if self.capture is not None:
                 self.capture.visit(node)
                 return False
-            if not self.streaming or (_u64(node + NAME_OFFSET + 8).value & _MASK5) != _TOPK:
+            if not self.streaming:
+                return False
+            tail = _u64(node + NAME_OFFSET + 8).value
+            if (tail & _MASK5) != _TOPK:
+                if tail == _WEIGHTS and self.weights_tap is not None:
+                    return self._on_weights(node, ask)
+                if self.wait_after is not None:
+                    return self._on_matmul(node, ask)
                 return False
             if ask:
                 return True
@@ -86,12 +124,39 @@ class EvalCallback:
             self._record(exc)
             return False
 
+    def _on_matmul(self, node: int, ask: bool) -> bool:
+        wait = self.wait_after.get(GgmlTensor.from_address(node).name)  # type: ignore[union-attr]
+        if wait is None:
+            return False
+        if ask:
+            return True
+        if self.gate.aborting:
+            return False  # stop here: the next matmul must not run on bytes that never came
+        self.gate.wait_proj(*wait)
+        return True
+
+    def _on_weights(self, node: int, ask: bool) -> bool:
+        name = GgmlTensor.from_address(node).name
+        if not name[_WEIGHTS_NAME_LEN:].isdigit():  # "(reshaped)" views of the same node
+            return False
+        if not ask:
+            self.weights_tap(int(name[_WEIGHTS_NAME_LEN:]), _router_weights(node))  # type: ignore[misc]
+        return True
+
     def _record(self, exc: BaseException) -> None:
         if not isinstance(exc, BmoeError):
             wrapped = DecodeAbortedError(f"eval callback failed: {exc!r}")
             wrapped.__cause__ = exc
             exc = wrapped
         self.gate.abort(exc)
+
+
+def _router_weights(node: int) -> np.ndarray:
+    """The weights of an ``ffn_moe_weights-<il>`` node: F32 [1, k, tokens], strided."""
+    t = GgmlTensor.from_address(node)
+    k, rows = t.ne[1], t.ne[2]
+    span = (rows - 1) * t.nb[2] + (k - 1) * t.nb[1] + 4
+    return np.ndarray((rows, k), np.float32, (ctypes.c_char * span).from_address(t.data), strides=(t.nb[2], t.nb[1]))
 
 
 def _routed_ids(node: int) -> tuple[int, np.ndarray]:

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from bmoe.engine.config import MiB, RunConfig
-from bmoe.errors import BmoeError, ConfigError
+from bmoe.errors import BmoeError, ConfigError, first_error
 
 DEMO_PROMPT = "The quick brown fox jumps over the lazy dog. Streaming experts from disk:"
 
@@ -59,6 +59,9 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
                    help="anon: copy dense weights into anonymous memory (safe from page-cache churn)")
     p.add_argument("--open-mode", choices=("auto", "user", "mmap", "mmap-drop"), default="auto",
                    help="how a streamed model is opened (auto: the cheapest that works here)")
+    p.add_argument("--route-trace", default=None, help="write every routing decision to this file")
+    p.add_argument("--overlap", action="store_true",
+                   help="read later projections while earlier expert matmuls compute (lossless)")
     p.add_argument("-t", "--threads", type=int, default=None, help="compute threads")
     p.add_argument("-c", "--ctx", type=int, default=2048, help="context length")
 
@@ -75,6 +78,33 @@ def _chat_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-odirect", action="store_true")
     _common_flags(p)
     p.set_defaults(mode="stream", func=_cmd_chat)
+
+
+def _replay_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("replay", help="replay a route trace through the pipeline stages (what-if)")
+    p.add_argument("trace", type=Path, help="route_trace v1 or v2 file")
+    p.add_argument("-m", "--model", type=Path, default=None, help="read real bytes from this model")
+    p.add_argument("--cache-mb", type=_mb_list, required=True, help="budgets, e.g. 500,1000,2000")
+    p.add_argument("--policy", type=lambda s: s.split(","), default=["default"], help="e.g. lru,default,opt")
+    p.add_argument("--io", choices=("real", "sim"), default=None,
+                   help="real reads from -m, or reads modelled from a probe of this disk (default: real with -m)")
+    p.add_argument("--io-threads", type=int, default=2)
+    p.add_argument("--compute-ms-per-layer", type=float, default=1.0,
+                   help="modelled compute per layer when the trace has no timings")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--csv", type=Path, default=None)
+    p.add_argument("--plot", type=Path, default=None, help="PNG of hit %% and tok/s against budget")
+    p.set_defaults(func=_cmd_replay)
+
+
+def _mb_list(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MiB values like 500,1000, got {text!r}") from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError("budgets cannot be negative")
+    return values
 
 
 def _demo_parser(sub: argparse._SubParsersAction) -> None:
@@ -110,6 +140,8 @@ def _config(args: argparse.Namespace) -> RunConfig:
         cache_ceiling_bytes=None if args.cache_ceil_mb is None else int(args.cache_ceil_mb * MiB),
         dense_weights=args.dense_weights,
         open_mode=args.open_mode,
+        route_trace=args.route_trace,
+        overlap=args.overlap,
     ).validate()
 
 
@@ -258,6 +290,85 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from bmoe.engine.replay import ComputeModel, replay
+    from bmoe.io.validate import open_layout
+    from bmoe.pipeline.trace import read_trace
+
+    io = args.io or ("real" if args.model else "sim")
+    if io == "real" and args.model is None:
+        raise ConfigError("--io real reads the model's bytes: give it with -m MODEL (or use --io sim)")
+    if not 1 <= args.io_threads <= 64:
+        raise ConfigError(f"--io-threads must be 1..64, got {args.io_threads}")
+    trace = read_trace(args.trace)
+    layout = open_layout(args.model) if io == "real" else None
+    compute = ComputeModel(trace.timing, args.compute_ms_per_layer / 1e3)
+    results = []
+    for policy in args.policy:
+        for mb in args.cache_mb:
+            r = _run_async(replay(trace, budget_bytes=int(mb * MiB), policy=policy, compute=compute,
+                                  io_threads=args.io_threads, model=layout,
+                                  sim_dir=args.trace.resolve().parent))
+            results.append(r.as_dict())
+            if not args.json:
+                print(_replay_row(r.as_dict()), flush=True)
+    how = (f"compute: {compute.describe()}; reads: {results[0]['io'] if results else io}; hit % = hits / "
+           "(hits + experts read) per layer event, decode phase and all phases; tok/s = decode tokens "
+           "over the replay's decode wall time")
+    if args.csv is not None:
+        _write_rows(args.csv, results)
+    if args.plot is not None:
+        _plot(args.plot, results, f"{args.trace.name}: {compute.describe()}")
+    if args.json:
+        print(json.dumps({"trace": str(args.trace), "how": how, "results": results}))
+    else:
+        print(how, file=sys.stderr)
+    return 0
+
+
+def _replay_row(r: dict) -> str:
+    def num(v: float | None, fmt: str) -> str:
+        return "unmeasured" if v is None else format(v, fmt)
+
+    return (f"{r['policy']:>8} {r['cache_mb']:>8.0f} MiB  decode hit {num(r['decode_hit_pct'], '5.1f')}%  "
+            f"all {num(r['hit_pct'], '5.1f')}%  read {r['bytes_read'] / MiB:9.1f} MiB  "
+            f"{num(r['tok_per_s'], '7.2f')} tok/s")
+
+
+def _write_rows(path: Path, rows: list[dict]) -> None:
+    import csv
+
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def _plot(path: Path, rows: list[dict], title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib: pip install 'bmoe[plot]'") from None
+    fig, (ax_hit, ax_tok) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for policy in dict.fromkeys(r["policy"] for r in rows):
+        mine = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["cache_mb"])
+        mb = [r["cache_mb"] for r in mine]
+        ax_hit.plot(mb, [r["decode_hit_pct"] for r in mine], marker="o", label=policy)
+        ax_tok.plot(mb, [r["tok_per_s"] for r in mine], marker="o", label=policy)
+    ax_hit.set(xlabel="cache budget (MiB)", ylabel="decode hit %", title="expert cache hit rate")
+    ax_tok.set(xlabel="cache budget (MiB)", ylabel="predicted tok/s", title="replayed decode speed")
+    for ax in (ax_hit, ax_tok):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _cmd_make_tiny(args: argparse.Namespace) -> int:
     from bmoe.synth.tiny import TinySpec
 
@@ -323,11 +434,18 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _run_parser(sub)
     _chat_parser(sub)
+    _replay_parser(sub)
     _demo_parser(sub)
     _tiny_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
+    except BaseExceptionGroup as group:  # the CLI's own task groups (sinks beside a generation)
+        exc = first_error(group)
+        if not isinstance(exc, BmoeError):
+            raise
+        print(f"bmoe: error: {exc}", file=sys.stderr)
+        return 1
     except BmoeError as exc:
         print(f"bmoe: error: {exc}", file=sys.stderr)
         return 1

@@ -30,6 +30,10 @@ class RunConfig:
     open_mode: str = "auto"
     # Dense weights: stay in llama.cpp's file mapping, or copied into anonymous memory ("anon").
     dense_weights: str = "mmap"
+    # Overlap reads with compute: wait at each expert matmul only for the projection it consumes.
+    overlap: bool = False
+    # Write every routing decision to this file (route_trace v2; streamed runs only).
+    route_trace: str | None = None
     # Resident mode only: install the eval callback that filters nodes but streams nothing, to
     # measure what the callback itself costs.
     eval_filter: bool = False
@@ -55,6 +59,10 @@ class RunConfig:
             raise ConfigError(
                 f"dense_weights must be one of {', '.join(DENSE_POLICIES)}, got {self.dense_weights!r}"
             )
+        if self.route_trace is not None and self.mode != "stream":
+            raise ConfigError("route traces are recorded by the streaming callback: use mode='stream'")
+        if self.overlap and self.mode != "stream":
+            raise ConfigError("overlap applies to streamed runs: use mode='stream'")
         if self.eval_filter and self.mode != "resident":
             raise ConfigError("eval_filter measures the callback alone and needs mode='resident'")
         return self

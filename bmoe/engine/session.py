@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bmoe.engine.callback import Capture, EvalCallback
+from bmoe.engine.callback import Capture, Consumption, EvalCallback
 from bmoe.engine.config import RunConfig
 from bmoe.engine.ggml import check_live_tensor, check_overhead
 from bmoe.engine.loader import (
@@ -31,9 +31,10 @@ from bmoe.engine.loader import (
 )
 from bmoe.engine.seam import LlamaModel
 from bmoe.engine.streaming import Streamer
-from bmoe.errors import BmoeError, ConfigError, SeamMismatchError
+from bmoe.errors import BmoeError, ConfigError, SeamMismatchError, first_error
 from bmoe.io.layout import ModelLayout
 from bmoe.io.validate import open_layout
+from bmoe.metrics.route_trace import RouteRecorder
 from bmoe.metrics.stats import Counters, GenerationStats
 from bmoe.metrics.tokens import ProcessSample, TokenMetrics, rss_bytes
 from bmoe.pipeline.events import PHASE_DECODE, PHASE_PREFILL
@@ -92,6 +93,8 @@ class Session:
         self.open_reason = opened.open_reason
         self.open_bytes_read = opened.open_bytes_read
         self.last_stats: GenerationStats | None = None
+        self._generations = 0
+        self._recorder: RouteRecorder | None = None
 
     @classmethod
     def open(cls, path: str | Path, config: RunConfig | None = None, *, hooks: Hooks | None = None) -> Session:
@@ -108,23 +111,32 @@ class Session:
             n_ctx=config.n_ctx, n_threads=config.threads, callback=callback,
             install=streaming or config.eval_filter, opened=opened,
         )
-        streamer = dense = None
+        streamer = dense = recorder = None
         try:
             if streaming:
                 tensors = opened.expert_tensors(layout) or _capture_experts(model, callback)
                 check_live_tensor(next(iter(tensors.values())))
                 if opened.open_mode == "mmap-drop":
                     release_file_pages(layout, mapping_spans(layout, tensors))
-                streamer = Streamer(layout, tensors, config, callback.gate, hooks or Hooks())
+                streamer = Streamer.live(layout, tensors, config, callback.gate, hooks or Hooks())
+                if config.overlap:
+                    _plan_overlap(model, callback, layout, tensors, streamer)
                 callback.streaming = True
+                if config.route_trace is not None:
+                    recorder = RouteRecorder(config.route_trace, layout, _run_line(config, streamer))
+                    callback.gate.tap = recorder.tap
+                    callback.weights_tap = recorder.tap_weights
             if config.dense_weights == "anon":
                 dense = _anon_dense(layout, opened, model, config)
         except BaseException:
+            if recorder is not None:
+                recorder.close()
             if streamer is not None:
                 streamer.close()
             model.close()
             raise
         session = cls(layout, config, model, callback, opened, streamer, dense)
+        session._recorder = recorder
         io_after = read_io_bytes()
         if io_before is not None and io_after is not None:
             session.open_bytes_read = io_after - io_before  # the index, the model, any capture
@@ -180,7 +192,10 @@ class Session:
                 self._model.clear_memory()
                 n_batch = self._model.n_batch
                 batches = [tokens[i : i + n_batch] for i in range(0, len(tokens), n_batch)]
-                m = await self._measured_decode(batches, 0, PHASE_PREFILL)
+                if self._recorder is not None:
+                    self._recorder.turn = self._generations
+                self._generations += 1
+                m = await self._measured_decode(batches, 0, PHASE_PREFILL, 0)
                 stats.prefill_s = m.wall_s
                 for i in range(max_tokens):
                     token = int(np.argmax(self._model.logits()))
@@ -191,7 +206,7 @@ class Session:
                     yield Piece(token, decoder.decode(self._model.piece(token)), metrics)
                     if i + 1 == max_tokens:
                         break
-                    m = await self._measured_decode([[token]], m.next_step, PHASE_DECODE)
+                    m = await self._measured_decode([[token]], m.next_step, PHASE_DECODE, i)
                     stats.decode_s += m.wall_s
                 tail = decoder.decode(b"", final=True)
                 if tail:
@@ -216,7 +231,7 @@ class Session:
         try:
             await self._compute.decode(tokens, step, phase, streaming.serve if streaming else None)
         except BaseExceptionGroup as group:
-            raise _first_error(group) from group
+            raise first_error(group) from group
         finally:
             if streaming:
                 streaming.end_step()
@@ -237,11 +252,18 @@ class Session:
             stats.add_counters(end - start)
             stats.resident_cache_bytes = self.resident_cache_bytes
 
-    async def _measured_decode(self, batches: list[list[int]], step: int, phase: int) -> _Measure:
+    async def _measured_decode(self, batches: list[list[int]], step: int, phase: int, position: int) -> _Measure:
+        """Decode calls with their measurement; ``position`` is the route trace's step of the first
+        token (prompt index in prefill, decode iteration in decode)."""
         before, sample, t0 = self._counters(), ProcessSample.now(), time.perf_counter()
         for tokens in batches:
+            if self._recorder is not None:
+                self._recorder.begin_call(position)
             await self._decode(tokens, step, phase)
+            if self._recorder is not None:
+                self._recorder.end_call()
             step += 1
+            position += len(tokens)
         wall = time.perf_counter() - t0
         after = self._counters()
         delta = after - before if after is not None and before is not None else None
@@ -303,6 +325,9 @@ class Session:
 
     def close(self) -> None:
         """Restore every rebound pointer before the memory behind it goes, then free the model."""
+        if self._recorder is not None:
+            self._recorder.close()
+            self._recorder = None
         if self._streaming is not None:
             self._streaming.close()
             self._streaming = None
@@ -323,6 +348,45 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _plan_overlap(
+    model: LlamaModel, callback: EvalCallback, layout: ModelLayout,
+    tensors: dict[tuple[int, str], int], streamer: Streamer,
+) -> None:
+    """Find, from a one-token warm-up graph, where each layer consumes each expert projection, and
+    set the wait points: at routing, the first consumed; after each consuming node, the next."""
+    proj_of = {}
+    for (layer, suffix), addr in tensors.items():
+        suffixes = [et.suffix for et in layout.layer_experts(layer)]
+        proj_of[addr] = (layer, suffixes.index(suffix))
+    found = Consumption(proj_of)
+    callback.capture = found
+    try:
+        model.decode(model.tokenize("a", add_special=False)[:1] or [0])
+    finally:
+        callback.capture = None
+        model.clear_memory()
+    wait_after: dict[bytes, tuple[int, int]] = {}
+    gate = callback.gate
+    gate.first_proj, gate.last_proj = {}, {}
+    for layer in layout.moe_layers:
+        order = found.order.get(layer, [])
+        if len(order) != len(layout.layer_experts(layer)):
+            raise SeamMismatchError(f"overlap: could not find where layer {layer} consumes its experts")
+        gate.first_proj[layer], gate.last_proj[layer] = order[0][1], order[-1][1]
+        for (name, _), (_, nxt) in zip(order, order[1:]):
+            wait_after[name] = (layer, nxt)
+        streamer.prefetch.consumption[layer] = tuple(p for _, p in order)
+    callback.wait_after = wait_after
+
+
+def _run_line(config: RunConfig, streamer: Streamer) -> dict[str, object]:
+    """How the traced run was made, for the trace's ``# run`` line."""
+    return {
+        "engine": "bmoe", "cache_bytes": streamer.cache.budget_bytes, "policy": streamer.cache.policy_name,
+        "io_threads": config.io_threads, "io": streamer.reader.mode, "threads": config.threads,
+    }
 
 
 def _anon_dense(layout: ModelLayout, opened: OpenedModel, model: LlamaModel, config: RunConfig) -> AnonDense:
@@ -353,18 +417,3 @@ def _capture_experts(model: LlamaModel, callback: EvalCallback) -> dict[tuple[in
         assert m is not None
         out[int(m[1]), m[2].decode()] = addr
     return out
-
-
-def _first_error(group: BaseExceptionGroup) -> BaseException:
-    """The exception a caller should see from a stage group: a bmoe error before a cancellation."""
-    flat: list[BaseException] = []
-
-    def walk(g: BaseExceptionGroup) -> None:
-        for e in g.exceptions:
-            walk(e) if isinstance(e, BaseExceptionGroup) else flat.append(e)
-
-    walk(group)
-    for e in flat:
-        if isinstance(e, BmoeError):
-            return e
-    return flat[0]

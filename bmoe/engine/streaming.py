@@ -14,32 +14,55 @@ from bmoe.engine.config import RunConfig
 from bmoe.io.direct import ShardReader
 from bmoe.io.layout import ModelLayout
 from bmoe.metrics.stats import Counters
-from bmoe.pipeline.budget import read_meminfo, resolve_budget
+from bmoe.pipeline.budget import Budget, read_meminfo, resolve_budget
 from bmoe.pipeline.cache import ExpertCache, make_policy
 from bmoe.pipeline.channel import Channel
 from bmoe.pipeline.events import RoutingEvent
 from bmoe.pipeline.gate import RoutingGate
 from bmoe.pipeline.hooks import Hooks
 from bmoe.pipeline.readiness import ReadinessBoard
-from bmoe.stages.bind import BindStage, Residency
+from bmoe.stages.bind import BindStage, Residency, SimResidency
 from bmoe.stages.prefetch import PrefetchStage
-from bmoe.stages.read import ReadStage
+from bmoe.stages.read import Reader, ReadStage
 
 
 class Streamer:
-    """Owns what streaming needs; ``close`` restores llama.cpp's expert pointers first."""
+    """Owns what streaming needs; ``close`` restores llama.cpp's expert pointers first.
+
+    Built from parts so that a trace replay runs the very same stages over a simulated residency
+    and reader; ``Streamer.live`` builds the parts of a live session.
+    """
 
     def __init__(
-        self, layout: ModelLayout, tensors: dict[tuple[int, str], int], config: RunConfig,
-        gate: RoutingGate, hooks: Hooks,
+        self, residency: Residency | SimResidency, reader: Reader, cache: ExpertCache, gate: RoutingGate,
+        hooks: Hooks, io_threads: int, budget: Budget,
     ) -> None:
-        self.residency = Residency(layout, tensors)
-        self.reader = ShardReader(layout.shards, direct=config.odirect)
+        self.residency = residency
+        self.reader = reader
+        self.cache = cache
+        self.budget = budget
+        self.lanes = ThreadPoolExecutor(io_threads, thread_name_prefix="bmoe-io")
+        self.board = ReadinessBoard()
+        self.prefetch = PrefetchStage(cache, residency, self.board, gate.fast_hits, hooks)
+        self.read = ReadStage(reader, self.lanes, self.board, hooks)
+        self.bind = BindStage(residency)
+        self._gate = gate
+        self.trim_s = 0.0
+        gate.set_resident_maps(residency.maps)
+        residency.bind()
+
+    @classmethod
+    def live(
+        cls, layout: ModelLayout, tensors: dict[tuple[int, str], int], config: RunConfig,
+        gate: RoutingGate, hooks: Hooks,
+    ) -> Streamer:
+        residency = Residency(layout, tensors)
+        reader = ShardReader(layout.shards, direct=config.odirect)
         try:
             first = layout.layer_experts(layout.moe_layers[0])[0]
-            self.reader.verify(first.span.shard, first.span.offset, first.stride)
+            reader.verify(first.span.shard, first.span.offset, first.stride)
             meminfo = read_meminfo()
-            self.budget = resolve_budget(
+            budget = resolve_budget(
                 config.cache_bytes,
                 ceiling=config.cache_ceiling_bytes,
                 mem_available=meminfo.get("MemAvailable", 0),
@@ -48,22 +71,12 @@ class Streamer:
                 expert_bank_bytes=layout.expert_bytes,
                 working_set_bytes=layout.expert_bytes_per_token(),
             )
-            self.cache = ExpertCache(
-                self.budget.bytes, self.residency.entry_bytes(), make_policy(config.cache_policy)
-            )
-            self.lanes = ThreadPoolExecutor(config.io_threads, thread_name_prefix="bmoe-io")
+            cache = ExpertCache(budget.bytes, residency.entry_bytes(), make_policy(config.cache_policy))
         except BaseException:
-            self.reader.close()
-            self.residency.close()
+            reader.close()
+            residency.close()
             raise
-        self.board = ReadinessBoard()
-        self.prefetch = PrefetchStage(self.cache, self.residency, self.board, gate.fast_hits, hooks)
-        self.read = ReadStage(self.reader, self.lanes, self.board, hooks)
-        self.bind = BindStage(self.residency)
-        self._gate = gate
-        self.trim_s = 0.0
-        gate.set_resident_maps(self.residency.maps)
-        self.residency.bind()
+        return cls(residency, reader, cache, gate, hooks, config.io_threads, budget)
 
     def counters(self) -> Counters:
         c = self.cache

@@ -21,7 +21,19 @@ Entry = tuple[int, int]  # (layer, expert)
 
 
 class EvictionPolicy(Protocol):
-    """Orders resident entries for eviction; sees every use, never decides sizes."""
+    """Orders resident entries for eviction; sees every use, never decides sizes.
+
+    ``victims`` yields candidates best-to-evict first, lazily: the cache takes them one at a time
+    while it is over its limit, skips the entries pinned by the layer being served, and calls
+    ``removed`` for each one it evicts. It never holds the iterator across other calls.
+
+    A policy may also define any of these optional hooks (``ExpertCache`` calls them when present):
+
+    - ``configure(budget_bytes, entry_bytes)``: at construction and whenever the budget changes;
+    - ``routed(layer, experts)``: first thing in every ``plan``/``touch``, with the layer's routed
+      set (a position in the layer cycle, the current layer's pinned set);
+    - ``step_end()``: at each ``trim``, i.e. between llama_decode calls.
+    """
 
     name: str
 
@@ -55,14 +67,23 @@ class LruPolicy:
         return iter(list(self._order))
 
 
-POLICIES = {"lru": LruPolicy}
+def make_policy(name: str, **kwargs: object) -> EvictionPolicy:
+    """A fresh policy by name (see ``bmoe.pipeline.policies.POLICIES``)."""
+    from bmoe.pipeline.policies import make_policy as make
+
+    return make(name, **kwargs)
 
 
-def make_policy(name: str) -> EvictionPolicy:
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise BudgetError(f"unknown cache policy {name!r} (known: {', '.join(POLICIES)})") from None
+def __getattr__(name: str) -> object:
+    if name == "POLICIES":  # the registry lives with the policies; imported lazily (no cycle)
+        from bmoe.pipeline.policies import POLICIES
+
+        return POLICIES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _noop(*_args: object) -> None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -84,6 +105,10 @@ class ExpertCache:
         self.budget_bytes = budget_bytes
         self._entry_bytes = dict(entry_bytes)
         self._policy = policy
+        self._routed = getattr(policy, "routed", _noop)
+        self._step_end = getattr(policy, "step_end", _noop)
+        self._configure = getattr(policy, "configure", _noop)
+        self._configure(budget_bytes, self._entry_bytes)
         self._resident: set[Entry] = set()
         self.resident_bytes = 0
         self.hits = 0
@@ -100,6 +125,7 @@ class ExpertCache:
     def plan(self, layer: int, experts: Iterable[int]) -> Plan:
         """Serve one layer's routed set: hits are used, misses admitted, room made by eviction."""
         routed = tuple(experts)
+        self._routed(layer, routed)
         hits = tuple(e for e in routed if (layer, e) in self._resident)
         misses = tuple(e for e in routed if (layer, e) not in self._resident)
         for e in hits:
@@ -117,6 +143,8 @@ class ExpertCache:
 
     def touch(self, layer: int, experts: Iterable[int]) -> None:
         """Account hits served without a plan (the eval callback's all-resident fast path)."""
+        experts = tuple(experts)
+        self._routed(layer, experts)
         for e in experts:
             if (layer, e) in self._resident:
                 self._policy.used((layer, e))
@@ -129,25 +157,36 @@ class ExpertCache:
 
     def trim(self) -> tuple[Entry, ...]:
         """Evict down to the budget once no layer is pinned (end of a decode step)."""
+        self._step_end()
         return self._evict_until(self.budget_bytes, frozenset())
 
     def set_budget(self, budget_bytes: int) -> tuple[Entry, ...]:
         if budget_bytes < 0:
             raise BudgetError(f"cache budget must be >= 0 bytes, got {budget_bytes}")
         self.budget_bytes = budget_bytes
-        return self.trim()
+        self._configure(budget_bytes, self._entry_bytes)
+        return self._evict_until(self.budget_bytes, frozenset())
 
     def _evict_until(self, limit: int, pinned: set[Entry] | frozenset[Entry]) -> tuple[Entry, ...]:
-        evicted: list[Entry] = []
         if self.resident_bytes <= limit:
             return ()
-        for entry in self._policy.victims():
-            if self.resident_bytes <= limit:
-                break
-            if entry in pinned:
-                continue
-            self._remove(entry)
-            evicted.append(entry)
+        evicted: list[Entry] = []
+        candidates = self._policy.victims()
+        try:
+            # Ask for the next victim only while over the limit: every candidate handed out is
+            # either evicted or skipped as pinned, never silently dropped.
+            while self.resident_bytes > limit:
+                entry = next(candidates, None)
+                if entry is None:
+                    break
+                if entry in pinned or entry not in self._resident:
+                    continue
+                self._remove(entry)
+                evicted.append(entry)
+        finally:
+            close = getattr(candidates, "close", None)
+            if close is not None:
+                close()
         self.evictions += len(evicted)
         return tuple(evicted)
 

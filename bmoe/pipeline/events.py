@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 PHASE_PREFILL = 0
 PHASE_DECODE = 1
+MAX_PROJ = 3  # expert projections per layer: gate, up, down (or gate_up, down)
 
 
 class ExpertKey(NamedTuple):
@@ -32,6 +33,16 @@ class RoutingEvent:
     step: int  # index of the decode call within the generation
     phase: int  # PHASE_PREFILL or PHASE_DECODE
     reply: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
+    # Per projection (Residency's index): set when that projection's bytes of every routed expert
+    # are in place, so overlap can release one matmul while later projections still read.
+    proj_ready: tuple[concurrent.futures.Future[None], ...] = field(
+        default_factory=lambda: tuple(concurrent.futures.Future() for _ in range(MAX_PROJ))
+    )
+
+    def fail(self, error: BaseException) -> None:
+        for fut in (*self.proj_ready, self.reply):
+            if not fut.done():
+                fut.set_exception(error)
 
 
 @dataclass(frozen=True, eq=False)

@@ -21,9 +21,10 @@ from bmoe.errors import DecodeAbortedError
 from bmoe.pipeline.channel import Channel
 from bmoe.pipeline.events import PHASE_DECODE, RoutingEvent
 
-# Called on the compute thread for every routed layer when set (route traces): step, phase, layer,
-# the routed ids (rows x k), and which of the layer's unique experts were resident beforehand.
-Tap = Callable[[int, int, int, np.ndarray, np.ndarray, np.ndarray], None]
+# Called on the compute thread for every routed layer once it is served, when set (route traces):
+# step, phase, layer, the routed ids (rows x k), the layer's unique experts, which of them were
+# resident beforehand, and the seconds the thread waited for the rest.
+Tap = Callable[[int, int, int, np.ndarray, np.ndarray, np.ndarray, float], None]
 
 
 class RoutingGate:
@@ -41,6 +42,11 @@ class RoutingGate:
         self.event_layers = 0
         self.blocked_s = 0.0  # compute thread time spent waiting for the pipeline
         self.tap: Tap | None = None
+        # Overlap: per layer, the projection to wait for at routing (the first one consumed); the
+        # rest are waited for by ``wait_proj`` at the matmul nodes. None: serial, wait for all.
+        self.first_proj: dict[int, int] | None = None
+        self.last_proj: dict[int, int] = {}
+        self._open: dict[int, RoutingEvent] = {}
 
     def set_resident_maps(self, maps: list[np.ndarray]) -> None:
         """Per layer, a bool per expert that the bind stage keeps true while its bytes are in place."""
@@ -54,6 +60,8 @@ class RoutingGate:
         self.step, self.phase = step, phase
         self.error = None
         self.aborting = False
+        self._open.clear()
+        self._pending.clear()
 
     def disarm(self) -> None:
         self._loop = self._events = None
@@ -64,17 +72,16 @@ class RoutingGate:
             self.error = error
         self.aborting = True
         for event in list(self._pending):
-            if not event.reply.done():
-                event.reply.set_exception(error)
+            event.fail(error)
 
     def route(self, layer: int, rows: np.ndarray) -> None:
         """Serve one layer's routing (``rows``: routed ids, one row per token); blocks until ready."""
         experts = np.unique(rows)
         resident = self._resident[layer][experts]
-        if self.tap is not None:
-            self.tap(self.step, self.phase, layer, rows, experts, resident)
         if resident.all():
             self.fast_hits.append((layer, experts))
+            if self.tap is not None:
+                self.tap(self.step, self.phase, layer, rows, experts, resident, 0.0)
             return
         loop, events = self._loop, self._events
         if loop is None or events is None:
@@ -82,14 +89,37 @@ class RoutingGate:
         event = RoutingEvent(layer, tuple(experts.tolist()), self.step, self.phase)
         self._pending.add(event)
         self.event_layers += 1
+        first = self.first_proj.get(layer) if self.first_proj is not None else None
+        done = False
         try:
             if self.aborting:  # abort() ran before the event was registered: it saw no event
                 raise self.error or DecodeAbortedError("decode aborted")
             t0 = time.perf_counter()
             loop.call_soon_threadsafe(events.send_nowait, event)
             try:
-                event.reply.result()
+                (event.reply if first is None else event.proj_ready[first]).result()
             finally:
-                self.blocked_s += time.perf_counter() - t0
+                waited = time.perf_counter() - t0
+                self.blocked_s += waited
+            done = first is None
         finally:
-            self._pending.discard(event)
+            if done or self.aborting:
+                self._pending.discard(event)
+            else:
+                self._open[layer] = event
+        if self.tap is not None:
+            self.tap(self.step, self.phase, layer, rows, experts, resident, waited)
+
+    def wait_proj(self, layer: int, proj: int) -> None:
+        """Overlap: block until projection ``proj`` of the layer's routed experts is in place."""
+        event = self._open.get(layer)
+        if event is None:  # the layer was all resident: nothing to wait for
+            return
+        t0 = time.perf_counter()
+        try:
+            event.proj_ready[proj].result()
+        finally:
+            self.blocked_s += time.perf_counter() - t0
+            if proj == self.last_proj.get(layer) or self.aborting:
+                del self._open[layer]
+                self._pending.discard(event)

@@ -27,7 +27,9 @@ from bmoe.pipeline.events import ExpertKey, ReadRequest, RoutingEvent
 
 
 class Residency:
-    def __init__(self, layout: ModelLayout, tensors: Mapping[tuple[int, str], int]) -> None:
+    """``tensors`` None: regions are filled but no llama.cpp tensor points at them (replay)."""
+
+    def __init__(self, layout: ModelLayout, tensors: Mapping[tuple[int, str], int] | None) -> None:
         self.layout = layout
         self._experts: dict[int, tuple[ExpertTensor, ...]] = {
             il: layout.layer_experts(il) for il in layout.moe_layers
@@ -38,6 +40,8 @@ class Residency:
         self.maps = [np.zeros(layout.n_expert, dtype=bool) for _ in range(layout.n_layer)]
         for il, experts in self._experts.items():
             for p, et in enumerate(experts):
+                if tensors is None:
+                    continue
                 addr = tensors.get((il, et.suffix))
                 if addr is None:
                     raise SeamMismatchError(f"llama.cpp graph never used blk.{il}.{et.suffix}.weight")
@@ -106,11 +110,42 @@ class Residency:
         self._regions.clear()
 
 
+class SimResidency:
+    """Residency with no memory behind it, for replays that model reads instead of making them:
+    one projection per expert, sized from the trace, and nothing to bind or release."""
+
+    def __init__(self, n_layer: int, n_expert: int, entry_bytes: Mapping[int, int]) -> None:
+        self._entry = dict(entry_bytes)
+        self.maps = [np.zeros(n_expert, dtype=bool) for _ in range(n_layer)]
+
+    def n_proj(self, layer: int) -> int:
+        return 1
+
+    def entry_bytes(self) -> dict[int, int]:
+        return dict(self._entry)
+
+    def bind(self) -> None:
+        pass
+
+    def requests(self, layer: int, expert: int) -> list[ReadRequest]:
+        nbytes = self._entry[layer]
+        return [ReadRequest(ExpertKey(layer, 0, expert), 0, expert * nbytes, nbytes, 0)]
+
+    def layer_spans(self, layer: int) -> list[tuple[int, int]]:
+        return []
+
+    def release(self, layer: int, expert: int) -> None:
+        self.maps[layer][expert] = False
+
+    def close(self) -> None:
+        pass
+
+
 @dataclass(eq=False)
 class BindJob:
     event: RoutingEvent
     plan: Plan
-    futures: list[asyncio.Future[int]]
+    by_proj: list[list[asyncio.Future[int]]]  # readiness futures, per projection
     issued_at: float  # perf_counter when the layer's reads were issued
 
 
@@ -123,17 +158,19 @@ class BindStage:
 
     async def run(self, jobs: Channel[BindJob]) -> None:
         async for job in jobs:
-            reply = job.event.reply
+            event = job.event
             try:
-                await asyncio.gather(*job.futures)
+                for p, futures in enumerate(job.by_proj):
+                    await asyncio.gather(*futures)
+                    if not event.proj_ready[p].done():
+                        event.proj_ready[p].set_result(None)
                 if job.plan.misses:
                     self.read_wall_s += time.perf_counter() - job.issued_at
-            except Exception as exc:  # noqa: BLE001 - delivered to the waiting callback
-                if not reply.done():
-                    reply.set_exception(exc if isinstance(exc, ReadError) else ReadError(str(exc)))
+            except Exception as exc:  # noqa: BLE001 - delivered to the waiting compute thread
+                event.fail(exc if isinstance(exc, ReadError) else ReadError(str(exc)))
                 continue
             resident = self._residency.maps[job.plan.layer]
             for e in job.plan.misses + job.plan.hits:
                 resident[e] = True
-            if not reply.done():
-                reply.set_result(None)
+            if not event.reply.done():
+                event.reply.set_result(None)

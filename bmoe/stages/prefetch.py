@@ -34,13 +34,17 @@ class PrefetchStage:
         self._fast_hits = fast_hits
         self._hooks = hooks
         self.cache_s = 0.0  # time spent planning and evicting: the cache writer's own cost
+        # Per layer, projections in the order the graph consumes them (found at open); default:
+        # the residency's order.
+        self.consumption: dict[int, tuple[int, ...]] = {}
 
     def account_fast_hits(self) -> None:
-        """Tell the cache about layers the eval callback served alone because all were resident."""
+        """Plan the layers the routing gate served alone because all were resident, in order: the
+        cache sees one plan per routed layer, exactly as a replay of the same routing does."""
         fast = self._fast_hits
         while fast:
             layer, experts = fast.popleft()
-            self._cache.touch(layer, experts.tolist())
+            self.evict(self._cache.plan(layer, experts.tolist()).evictions)
 
     def evict(self, entries: tuple[tuple[int, int], ...]) -> None:
         for layer, expert in entries:
@@ -63,24 +67,27 @@ class PrefetchStage:
                     self._hooks.on_plan(event, plan)
                 if self._hooks.before_layer_reads:
                     self._hooks.before_layer_reads(event.layer, self._residency.layer_spans(event.layer))
-                futures = []
+                n_proj = self._residency.n_proj(event.layer)
+                by_proj: list[list[asyncio.Future[int]]] = [[] for _ in range(n_proj)]
                 issued_at = time.perf_counter()
-                for expert in plan.misses:
-                    for request in self._residency.requests(event.layer, expert):
+                # Projection by projection, in the order the graph consumes them, so that under
+                # overlap the first matmul's bytes land first.
+                requests = [self._residency.requests(event.layer, e) for e in plan.misses]
+                for p in self._order(event.layer, n_proj):
+                    for expert, per_expert in zip(plan.misses, requests):
+                        request = per_expert[p]
                         fut = self._board.expect(request.key)
                         fut.add_done_callback(self._forget_on_failure(event.layer, expert))
-                        futures.append(fut)
+                        by_proj[p].append(fut)
                         reads.send_nowait((request, fut))
-                n_proj = self._residency.n_proj(event.layer)
-                futures.extend(
-                    self._board.inflight(
-                        ExpertKey(event.layer, p, e) for e in plan.hits for p in range(n_proj)
-                    )
-                )
-                binds.send_nowait(BindJob(event, plan, futures, issued_at))
+                    by_proj[p].extend(self._board.inflight(ExpertKey(event.layer, p, e) for e in plan.hits))
+                binds.send_nowait(BindJob(event, plan, by_proj, issued_at))
         finally:
             reads.close()
             binds.close()
+
+    def _order(self, layer: int, n_proj: int) -> tuple[int, ...]:
+        return self.consumption.get(layer) or tuple(range(n_proj))
 
     def _forget_on_failure(self, layer: int, expert: int):  # noqa: ANN202
         def done(fut) -> None:  # noqa: ANN001

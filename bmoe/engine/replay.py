@@ -1,0 +1,166 @@
+"""Pipeline trace replay: recorded routing driven through the live stages, with compute modelled.
+
+Which cache size does a model need here, and what would a better policy buy? A replay answers
+without running the model: every layer event of a route trace goes through the same routing gate,
+prefetch (the cache and its policy), read lanes and bind stage a live run uses; only the compute
+is modelled, as a sleep on the compute thread (the trace's own per-layer timings when it has
+them, else a fixed time per layer), and with ``io="sim"`` the reads are modelled too, from a
+probe of this machine's disk at the trace's expert size. Counts (hits, bytes) are deterministic;
+the predicted tok/s is the wall time the replay took, so it is as noisy as the machine.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from bmoe.engine.streaming import Streamer
+from bmoe.errors import BmoeError, DecodeAbortedError
+from bmoe.io.direct import ShardReader
+from bmoe.io.layout import ModelLayout
+from bmoe.io.probe import SimReader, cached_probe
+from bmoe.pipeline.budget import Budget
+from bmoe.pipeline.cache import ExpertCache
+from bmoe.pipeline.events import PHASE_DECODE
+from bmoe.pipeline.gate import RoutingGate
+from bmoe.pipeline.hooks import Hooks
+from bmoe.pipeline.policies import make_policy
+from bmoe.pipeline.trace import LayerEvent, RouteTrace
+from bmoe.stages.bind import Residency, SimResidency
+from bmoe.stages.compute import ComputeStage
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    policy: str
+    cache_mb: float
+    decode_hit_pct: float | None
+    hit_pct: float | None
+    bytes_read: int
+    tok_per_s: float | None  # predicted decode tok/s: decode tokens over the replay's decode wall time
+    hits: int
+    misses: int
+    decode_tokens: int
+    io: str
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ComputeModel:
+    """Seconds of compute after each layer event: the trace's timing, else a fixed time."""
+
+    timing: dict[tuple[int, int, int, int], dict[str, float]]
+    per_layer_s: float
+
+    def __call__(self, ev: LayerEvent) -> float:
+        t = self.timing.get((ev.turn, ev.phase, ev.step, ev.layer))
+        return t["compute_us"] / 1e6 if t is not None else self.per_layer_s
+
+    def describe(self) -> str:
+        if self.timing:
+            return "the trace's recorded per-layer compute times"
+        return f"{self.per_layer_s * 1e3:g} ms per layer (--compute-ms-per-layer)"
+
+
+def check_layout(trace: RouteTrace, layout: ModelLayout) -> dict[int, int]:
+    """The model's per-layer expert bytes, refusing a model that is not the trace's."""
+    entry = {il: sum(et.stride for et in layout.layer_experts(il)) for il in layout.moe_layers}
+    if (layout.n_layer, layout.n_expert) != (trace.n_layer, trace.n_expert) or entry != trace.expert_bytes:
+        raise BmoeError(
+            f"{layout.shards[0].name} does not match the trace's layout: model has {layout.n_layer} "
+            f"layers x {layout.n_expert} experts of {sorted(set(entry.values()))} bytes, trace "
+            f"{trace.n_layer} x {trace.n_expert} of {sorted(set(trace.expert_bytes.values()))} bytes"
+        )
+    return entry
+
+
+def _modelled_decode(gate: RoutingGate, compute: ComputeModel) -> Callable[[Sequence[LayerEvent]], None]:
+    def decode(call: Sequence[LayerEvent]) -> None:
+        for ev in call:
+            if gate.aborting:
+                raise gate.error or DecodeAbortedError("replay aborted")
+            gate.route(ev.layer, np.asarray(ev.experts, dtype=np.int32)[None, :])
+            time.sleep(compute(ev))
+        if gate.error is not None:
+            raise gate.error
+
+    return decode
+
+
+def _calls(events: Sequence[LayerEvent]) -> list[list[LayerEvent]]:
+    calls: list[list[LayerEvent]] = [[]]
+    for ev in events:
+        calls[-1].append(ev)
+        if ev.ends_call:
+            calls.append([])
+    return [c for c in calls if c]
+
+
+async def replay(
+    trace: RouteTrace,
+    *,
+    budget_bytes: int,
+    policy: str,
+    compute: ComputeModel,
+    io_threads: int = 2,
+    model: ModelLayout | None = None,
+    sim_dir: Path | None = None,
+    odirect: bool = True,
+) -> ReplayResult:
+    """One replay at one budget with one policy; reads from ``model`` (real) or modelled (sim)."""
+    events = trace.layer_events()
+    gate = RoutingGate()
+    if model is not None:
+        entry = check_layout(trace, model)
+        residency: Residency | SimResidency = Residency(model, None)
+        reader: ShardReader | SimReader = ShardReader(model.shards, direct=odirect)
+        first = model.layer_experts(model.moe_layers[0])[0]
+        reader.verify(first.span.shard, first.span.offset, first.stride)
+        io = reader.mode
+    else:
+        entry = dict(trace.expert_bytes)
+        residency = SimResidency(trace.n_layer, trace.n_expert, entry)
+        probe = cached_probe(sim_dir or Path.cwd(), max(entry.values()), io_threads)
+        reader = SimReader(probe)
+        io = reader.mode
+    cache = ExpertCache(budget_bytes, entry, make_policy(policy, future=[(e.layer, e.experts) for e in events]))
+    streamer = Streamer(residency, reader, cache, gate, Hooks(), io_threads, Budget(budget_bytes, "replay"))
+    stage = ComputeStage(_modelled_decode(gate, compute), gate.arm, gate.disarm, gate.abort)
+    hits = [0, 0]
+    misses = [0, 0]
+    decode_s = 0.0
+    decode_tokens = 0
+    try:
+        for step, call in enumerate(_calls(events)):
+            phase = 1 if call[0].phase == PHASE_DECODE else 0
+            h0, m0 = cache.hits, cache.misses
+            t0 = time.perf_counter()
+            await stage.decode(call, step, call[0].phase, streamer.serve)
+            streamer.end_step()
+            if phase:
+                decode_s += time.perf_counter() - t0
+                decode_tokens += 1
+            hits[phase] += cache.hits - h0
+            misses[phase] += cache.misses - m0
+    finally:
+        stage.close()
+        streamer.close()
+    read = streamer.read.counters.slice_bytes
+
+    def pct(h: int, m: int) -> float | None:
+        return 100.0 * h / (h + m) if h + m else None
+
+    return ReplayResult(
+        policy=cache.policy_name, cache_mb=budget_bytes / MiB,
+        decode_hit_pct=pct(hits[1], misses[1]), hit_pct=pct(sum(hits), sum(misses)),
+        bytes_read=read, tok_per_s=decode_tokens / decode_s if decode_s > 0 else None,
+        hits=sum(hits), misses=sum(misses), decode_tokens=decode_tokens, io=io,
+    )

@@ -1,0 +1,509 @@
+"""Route traces: every routing decision of a run, as a file that cache policies can be replayed on.
+
+Format ``route_trace v1`` (the one in ``../shared/traces/``, written by BigMoeOnEdge's
+``--route-trace``): a CSV preceded by ``#`` lines::
+
+    # route_trace v1
+    # model=<file> arch=<arch> n_layer=<n> n_expert=<n> n_expert_used=<k>
+    # layer=<il> expert_bytes=<one expert, all projections> dense_bytes=<the layer's dense bytes>
+    ...                                                  (one line per MoE layer)
+    turn,phase,step,layer,slot,expert,weight,residency,expert_bytes
+    0,0,0,0,0,49,0.221297,0,3059712
+
+One row per routed slot: ``phase`` 0 = prefill, 1 = decode; ``step`` the token index within the
+turn; ``slot`` the rank within the top-k; ``weight`` the router weight; ``residency`` 1 if the expert
+was already cached in the recorded run, and then ``expert_bytes`` (bytes read for it) is 0.
+Rows are in execution order: a prefill ubatch runs layer by layer, so its rows are layer-major
+(layer 0 for every prompt token, then layer 1, ...); decode rows are token-major. llama.cpp computes
+only the output rows at the last layer, so prefill's last layer usually holds only the last token.
+
+``route_trace v2`` is v1 plus ``#`` lines a v1 reader skips (any ``#`` line is a comment to it),
+carrying what a timed replay needs. The rows and the v1 header lines are unchanged::
+
+    # route_trace v2
+    # model=... (as v1)
+    # layer=... (as v1)
+    # run key=value ...          optional, once, after the layer lines: how the run was made
+                                 (e.g. cache_bytes=4194304000 policy=lru io_threads=4); free-form
+    turn,phase,...               (as v1)
+    <the rows of one (turn, phase, step, layer)>
+    # timing turn=<t> phase=<p> step=<s> layer=<il> compute_us=<float> [read_us=<float>]
+                                 optional, after the rows it times: the layer's compute time (the
+                                 expert matmuls and everything up to the next layer's routing) and
+                                 optionally the wall time spent waiting for its reads; a replay
+                                 models the overlap of reads and compute from these
+    # summary key=value ...      optional, last: run totals (free-form)
+
+Readers here accept both versions, ignore ``#`` lines they do not know (so later extensions stay
+readable), and raise ``TraceFormatError`` naming the file and line for anything malformed.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple, TextIO
+
+import numpy as np
+
+from bmoe.errors import BmoeError
+
+COLUMNS = ("turn", "phase", "step", "layer", "slot", "expert", "weight", "residency", "expert_bytes")
+HEADER_V1 = "# route_trace v1"
+HEADER_V2 = "# route_trace v2"
+_MODEL_KEYS = ("model", "arch", "n_layer", "n_expert", "n_expert_used")
+
+
+class TraceFormatError(BmoeError):
+    """A route trace that cannot be read as given (the message names the file and line)."""
+
+
+class Access(NamedTuple):
+    """The routed experts of one layer for one token (in slot order)."""
+
+    turn: int
+    phase: int
+    step: int
+    layer: int
+    experts: tuple[int, ...]
+
+
+class LayerEvent(NamedTuple):
+    """What the engine's cache sees: one layer of one llama_decode call (a whole ubatch in prefill).
+
+    ``experts`` are unique, in the order of their last use within the ubatch; ``ends_call`` marks
+    the last layer of the call, after which the engine trims the cache; ``decode`` says whether the
+    event belongs to the decode phase; ``step`` is the first token of the call.
+    """
+
+    turn: int
+    phase: int
+    step: int
+    layer: int
+    experts: tuple[int, ...]
+    ends_call: bool
+
+
+@dataclass
+class RouteTrace:
+    """A parsed route trace: header fields, per-layer sizes and the rows as column arrays."""
+
+    path: str
+    version: int
+    model: str
+    arch: str
+    n_layer: int
+    n_expert: int
+    n_expert_used: int
+    expert_bytes: dict[int, int]  # layer -> bytes of one expert (all projections)
+    dense_bytes: dict[int, int]  # layer -> the layer's dense bytes
+    turn: np.ndarray  # int32, one value per row
+    phase: np.ndarray  # int8
+    step: np.ndarray  # int32
+    layer: np.ndarray  # int16
+    slot: np.ndarray  # int16
+    expert: np.ndarray  # int32
+    weight: np.ndarray  # float32
+    residency: np.ndarray  # int8
+    bytes_read: np.ndarray  # int64: the ``expert_bytes`` column (0 for a resident expert)
+    run: dict[str, str] = field(default_factory=dict)  # v2 ``# run`` line
+    summary: dict[str, str] = field(default_factory=dict)  # v2 ``# summary`` line
+    # v2 timing: (turn, phase, step, layer) -> {"compute_us": ..., "read_us": ...}
+    timing: dict[tuple[int, int, int, int], dict[str, float]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.turn.shape[0])
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return sorted(self.expert_bytes)
+
+    def working_set_bytes(self) -> int:
+        """One token's worst-case routed bytes: every layer's top-k (what LRU needs to hit at all)."""
+        return self.n_expert_used * sum(self.expert_bytes.values())
+
+    def tokens(self, phase: int, turn: int | None = None) -> int:
+        """Distinct token steps recorded in a phase (optionally of one turn)."""
+        mask = self.phase == phase
+        if turn is not None:
+            mask &= self.turn == turn
+        keys = np.unique(np.stack([self.turn[mask], self.step[mask]]), axis=1)
+        return int(keys.shape[1])
+
+    def _group_bounds(self) -> np.ndarray:
+        """Start indices of the runs of rows sharing (turn, phase, step, layer), plus the end."""
+        n = len(self)
+        if n == 0:
+            return np.zeros(1, dtype=np.int64)
+        change = np.zeros(n, dtype=bool)
+        change[0] = True
+        for col in (self.turn, self.phase, self.step, self.layer):
+            change[1:] |= col[1:] != col[:-1]
+        return np.append(np.flatnonzero(change), n)
+
+    def accesses(self) -> Iterator[Access]:
+        """Per (turn, phase, step, layer), in recorded (execution) order, the routed experts.
+
+        Prefill is per token as recorded (layer-major within the ubatch, as it ran); decode is one
+        access per layer per token.
+        """
+        bounds = self._group_bounds()
+        experts = self.expert.tolist()
+        turn, phase, step, layer = (a.tolist() for a in (self.turn, self.phase, self.step, self.layer))
+        for i in range(len(bounds) - 1):
+            a, b = int(bounds[i]), int(bounds[i + 1])
+            yield Access(turn[a], phase[a], step[a], layer[a], tuple(experts[a:b]))
+
+    def layer_events(
+        self, ubatch: int = 512, prefill: str = "batch", order: str = "engine"
+    ) -> list[LayerEvent]:
+        """The cache's view of the run, as the engine produces it.
+
+        ``prefill="batch"`` (the engine): a prompt is evaluated in llama_decode calls of up to
+        ``ubatch`` tokens; each call routes every layer once for all its tokens, so the cache sees
+        one event per layer with the union of the experts, and is trimmed after the call.
+        ``prefill="tokens"``: one event per recorded (token, layer), in recorded order, and a trim
+        after each ubatch (a finer-grained view, for comparison). Decode: one call per token.
+        ``order="engine"``: each event's experts sorted by id, as the eval callback hands them over
+        (``np.unique``); ``order="recorded"``: slot order in decode, last use in prefill (what
+        BigMoeOnEdge's ``route-replay.py`` does). Only the order in which a policy hears of the
+        layer's hits and misses differs; LRU moves by a few hundredths of a point.
+        """
+        if prefill not in ("batch", "tokens"):
+            raise ValueError(f"prefill must be 'batch' or 'tokens', got {prefill!r}")
+        if order not in ("engine", "recorded"):
+            raise ValueError(f"order must be 'engine' or 'recorded', got {order!r}")
+        if ubatch < 1:
+            raise ValueError(f"ubatch must be >= 1, got {ubatch}")
+        calls: list[list[Access]] = []  # one list per llama_decode call
+        call_key: tuple[int, int, int] | None = None
+        first_step: dict[int, int] = {}
+        for acc in self.accesses():
+            if acc.phase == 0:
+                start = first_step.setdefault(acc.turn, acc.step)
+                key = (acc.turn, 0, (acc.step - start) // ubatch)
+            else:
+                key = (acc.turn, acc.phase, acc.step)
+            if key != call_key:
+                calls.append([])
+                call_key = key
+            calls[-1].append(acc)
+        events: list[LayerEvent] = []
+        for call in calls:
+            head = call[0]
+            if head.phase == 0 and prefill == "batch":
+                by_layer: dict[int, dict[int, None]] = {}
+                # Token-major within each layer, so "last use" follows the prompt's token order.
+                for acc in sorted(call, key=lambda a: (a.layer, a.step)):
+                    seen = by_layer.setdefault(acc.layer, {})
+                    for e in acc.experts:
+                        seen.pop(e, None)
+                        seen[e] = None
+                step0 = min(a.step for a in call)
+                group = [
+                    LayerEvent(head.turn, head.phase, step0, il, tuple(seen), False)
+                    for il, seen in by_layer.items()  # layer order of first appearance
+                ]
+            else:
+                group = [
+                    LayerEvent(a.turn, a.phase, a.step, a.layer, tuple(dict.fromkeys(a.experts)), False)
+                    for a in call
+                ]
+            if order == "engine":
+                group = [g._replace(experts=tuple(sorted(g.experts))) for g in group]
+            group[-1] = group[-1]._replace(ends_call=True)
+            events.extend(group)
+        return events
+
+
+def _fail(path: str, lineno: int, what: str) -> TraceFormatError:
+    return TraceFormatError(f"{path}:{lineno}: {what}")
+
+
+def _pairs(path: str, lineno: int, text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for token in text.split():
+        key, sep, value = token.partition("=")
+        if not sep or not key:
+            raise _fail(path, lineno, f"expected key=value, got {token!r}")
+        out[key] = value
+    return out
+
+
+def _int(path: str, lineno: int, pairs: Mapping[str, str], key: str) -> int:
+    try:
+        value = int(pairs[key])
+    except KeyError:
+        raise _fail(path, lineno, f"missing {key}=") from None
+    except ValueError:
+        raise _fail(path, lineno, f"{key}={pairs[key]!r} is not an integer") from None
+    if value < 0:
+        raise _fail(path, lineno, f"{key}={value} is negative")
+    return value
+
+
+def _float(path: str, lineno: int, pairs: Mapping[str, str], key: str) -> float:
+    try:
+        value = float(pairs[key])
+    except ValueError:
+        raise _fail(path, lineno, f"{key}={pairs[key]!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise _fail(path, lineno, f"{key}={value} must be finite and >= 0")
+    return value
+
+
+def read_trace(path: str | os.PathLike[str]) -> RouteTrace:
+    """Read a route trace (v1 or v2). Raises TraceFormatError (file:line) on malformed input."""
+    name = os.fspath(path)
+    try:
+        with open(name, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise TraceFormatError(f"{name}: cannot read route trace: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        raise TraceFormatError(f"{name}: not a text route trace ({e.reason})") from e
+    if not lines or lines[0].strip() not in (HEADER_V1, HEADER_V2):
+        got = lines[0][:60] if lines else "an empty file"
+        raise _fail(name, 1, f"expected '{HEADER_V1}' or '{HEADER_V2}', got {got!r}")
+    version = 2 if lines[0].strip() == HEADER_V2 else 1
+    model: dict[str, str] | None = None
+    expert_bytes: dict[int, int] = {}
+    dense_bytes: dict[int, int] = {}
+    run: dict[str, str] = {}
+    summary: dict[str, str] = {}
+    timing: dict[tuple[int, int, int, int], dict[str, float]] = {}
+    body: list[str] = []
+    body_lineno: list[int] = []
+    columns_seen = False
+    for lineno, raw in enumerate(lines[1:], start=2):
+        line = raw.strip()
+        if not line:
+            continue
+        if line.startswith("#"):
+            text = line[1:].strip()
+            kind = text.split("=", 1)[0].split(None, 1)[0] if text else ""
+            if kind == "model" and model is None:
+                model = _pairs(name, lineno, text)
+                for key in _MODEL_KEYS[2:]:
+                    _int(name, lineno, model, key)
+                if "arch" not in model:
+                    raise _fail(name, lineno, "missing arch=")
+            elif kind == "layer" and "expert_bytes=" in text:
+                pairs = _pairs(name, lineno, text)
+                il = _int(name, lineno, pairs, "layer")
+                if il in expert_bytes:
+                    raise _fail(name, lineno, f"layer {il} described twice")
+                expert_bytes[il] = _int(name, lineno, pairs, "expert_bytes")
+                dense_bytes[il] = _int(name, lineno, pairs, "dense_bytes") if "dense_bytes" in pairs else 0
+            elif kind == "run" and text.startswith("run "):
+                run.update(_pairs(name, lineno, text[4:]))
+            elif kind == "summary" and text.startswith("summary"):
+                summary.update(_pairs(name, lineno, text[7:]))
+            elif kind == "timing" and text.startswith("timing "):
+                pairs = _pairs(name, lineno, text[7:])
+                key = tuple(_int(name, lineno, pairs, k) for k in ("turn", "phase", "step", "layer"))
+                timing[key] = {  # type: ignore[index]
+                    k: _float(name, lineno, pairs, k) for k in ("compute_us", "read_us") if k in pairs
+                }
+            # Any other '#' line is a comment (or a later extension): ignored.
+            continue
+        if not columns_seen:
+            if tuple(c.strip() for c in line.split(",")) != COLUMNS:
+                raise _fail(name, lineno, f"expected the column row {','.join(COLUMNS)!r}")
+            columns_seen = True
+            continue
+        body.append(line)
+        body_lineno.append(lineno)
+    if model is None:
+        raise _fail(name, 2, "no '# model=... arch=... n_layer=... n_expert=... n_expert_used=...' line")
+    if not columns_seen:
+        raise _fail(name, len(lines), "no column row: the trace has no routing")
+    n_layer = int(model["n_layer"])
+    n_expert = int(model["n_expert"])
+    n_used = int(model["n_expert_used"])
+    cols = _parse_rows(name, body, body_lineno)
+    trace = RouteTrace(
+        path=name, version=version, model=model.get("model", ""), arch=model["arch"],
+        n_layer=n_layer, n_expert=n_expert, n_expert_used=n_used,
+        expert_bytes=expert_bytes, dense_bytes=dense_bytes,
+        turn=cols[0].astype(np.int32), phase=cols[1].astype(np.int8), step=cols[2].astype(np.int32),
+        layer=cols[3].astype(np.int16), slot=cols[4].astype(np.int16), expert=cols[5].astype(np.int32),
+        weight=cols[6].astype(np.float32), residency=cols[7].astype(np.int8),
+        bytes_read=cols[8].astype(np.int64), run=run, summary=summary, timing=timing,
+    )
+    _check(trace, body_lineno)
+    return trace
+
+
+def _parse_rows(name: str, body: list[str], body_lineno: list[int]) -> list[np.ndarray]:
+    if not body:
+        return [np.zeros(0, dtype=np.float64) for _ in COLUMNS]
+    try:
+        table = np.loadtxt(io.StringIO("\n".join(body)), delimiter=",", dtype=np.float64, ndmin=2)
+    except ValueError:
+        table = None
+    if table is None or table.shape[1] != len(COLUMNS):
+        _locate_bad_row(name, body, body_lineno)
+        raise TraceFormatError(f"{name}: malformed rows")  # _locate_bad_row found nothing
+    cols = [table[:, c] for c in range(len(COLUMNS))]
+    for c, col in enumerate(cols):
+        if c != 6:
+            frac = np.flatnonzero(col != np.floor(col))
+            if frac.size:
+                i = int(frac[0])
+                raise _fail(name, body_lineno[i], f"{COLUMNS[c]}={body[i].split(',')[c]!r} is not an integer")
+    bad_w = np.flatnonzero(~np.isfinite(cols[6]))
+    if bad_w.size:
+        raise _fail(name, body_lineno[int(bad_w[0])], "weight is not a finite number")
+    return cols
+
+
+def _locate_bad_row(name: str, body: list[str], body_lineno: list[int]) -> None:
+    for i, line in enumerate(body):
+        row = line.split(",")
+        if len(row) != len(COLUMNS):
+            raise _fail(name, body_lineno[i], f"expected {len(COLUMNS)} fields, got {len(row)}")
+        for c, v in enumerate(row):
+            try:
+                float(v) if c == 6 else int(v)
+            except ValueError:
+                raise _fail(name, body_lineno[i], f"{COLUMNS[c]}={v.strip()!r} is not a number") from None
+
+
+def _check(t: RouteTrace, body_lineno: list[int]) -> None:
+    def bad(mask: np.ndarray, what: str) -> None:
+        idx = np.flatnonzero(mask)
+        if idx.size:
+            i = int(idx[0])
+            raise _fail(t.path, body_lineno[i], what.format(row=i))
+
+    bad(t.layer >= t.n_layer, f"layer out of range (n_layer={t.n_layer})")
+    bad(t.expert >= t.n_expert, f"expert out of range (n_expert={t.n_expert})")
+    bad(t.slot >= max(t.n_expert_used, 1), f"slot out of range (n_expert_used={t.n_expert_used})")
+    bad((t.turn < 0) | (t.step < 0) | (t.layer < 0) | (t.slot < 0) | (t.expert < 0), "negative field")
+    bad((t.phase != 0) & (t.phase != 1), "phase must be 0 (prefill) or 1 (decode)")
+    bad((t.residency != 0) & (t.residency != 1), "residency must be 0 or 1")
+    bad(t.bytes_read < 0, "expert_bytes is negative")
+    known = np.zeros(max(t.n_layer, 1), dtype=bool)
+    for il in t.expert_bytes:
+        if il >= t.n_layer:
+            raise TraceFormatError(f"{t.path}: header describes layer {il} but n_layer={t.n_layer}")
+        known[il] = True
+    bad(~known[t.layer.astype(np.int64)], "no '# layer=' header line for this row's layer")
+
+
+class TraceWriter:
+    """Writes a route trace as rows arrive: v1, or v2 when asked for (timing, run, summary lines).
+
+    ``add`` takes one layer's routing for one token; ``timing`` the layer's times (v2 only). Use as
+    a context manager, or call ``close``. Not thread-safe: one writer.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | TextIO,
+        *,
+        model: str,
+        arch: str,
+        n_layer: int,
+        n_expert: int,
+        n_expert_used: int,
+        expert_bytes: Mapping[int, int],
+        dense_bytes: Mapping[int, int] | None = None,
+        version: int = 1,
+        run: Mapping[str, object] | None = None,
+    ) -> None:
+        if version not in (1, 2):
+            raise ValueError(f"route_trace version must be 1 or 2, got {version}")
+        if run and version < 2:
+            raise ValueError("a '# run' line needs route_trace v2")
+        for label, value in (("model", model), ("arch", arch)):
+            if not value or any(c.isspace() for c in value):
+                raise ValueError(f"{label} must be a non-empty word, got {value!r}")
+        self.version = version
+        self._owns = not hasattr(path, "write")
+        self._f: TextIO = open(path, "w", encoding="utf-8", newline="\n") if self._owns else path  # type: ignore[arg-type,assignment]
+        dense = dense_bytes or {}
+        head = [
+            HEADER_V2 if version == 2 else HEADER_V1,
+            f"# model={model} arch={arch} n_layer={n_layer} n_expert={n_expert} n_expert_used={n_expert_used}",
+        ]
+        head += [f"# layer={il} expert_bytes={expert_bytes[il]} dense_bytes={dense.get(il, 0)}" for il in sorted(expert_bytes)]
+        if run:
+            head.append("# run " + _kv(run))
+        head.append(",".join(COLUMNS))
+        self._f.write("\n".join(head) + "\n")
+        self._expert_bytes = dict(expert_bytes)
+        self.rows = 0
+
+    def add(
+        self,
+        turn: int,
+        phase: int,
+        step: int,
+        layer: int,
+        experts: Sequence[int],
+        weights: Sequence[float],
+        resident: Sequence[bool | int],
+        bytes_read: Sequence[int] | None = None,
+    ) -> None:
+        """One layer's routing for one token. ``bytes_read`` defaults to 0 for a resident expert
+        and the layer's expert bytes otherwise."""
+        if not (len(experts) == len(weights) == len(resident)):
+            raise ValueError("experts, weights and resident must have one value per slot")
+        if bytes_read is None:
+            eb = self._expert_bytes[layer]
+            bytes_read = [0 if r else eb for r in resident]
+        out = [
+            f"{turn},{phase},{step},{layer},{slot},{int(e)},{float(w):.6g},{int(bool(r))},{int(b)}"
+            for slot, (e, w, r, b) in enumerate(zip(experts, weights, resident, bytes_read))
+        ]
+        self._f.write("\n".join(out) + "\n")
+        self.rows += len(out)
+
+    def timing(self, turn: int, phase: int, step: int, layer: int, compute_us: float,
+               read_us: float | None = None) -> None:
+        """The layer's compute time (and optionally its read wait), after its rows (v2 only)."""
+        if self.version < 2:
+            raise ValueError("timing lines need route_trace v2")
+        extra = "" if read_us is None else f" read_us={read_us:.1f}"
+        self._f.write(
+            f"# timing turn={turn} phase={phase} step={step} layer={layer} compute_us={compute_us:.1f}{extra}\n"
+        )
+
+    def summary(self, **values: object) -> None:
+        if self.version < 2:
+            raise ValueError("a '# summary' line needs route_trace v2")
+        self._f.write("# summary " + _kv(values) + "\n")
+
+    def close(self) -> None:
+        if self._owns and not self._f.closed:
+            self._f.close()
+        elif not self._owns:
+            self._f.flush()
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _kv(values: Mapping[str, object]) -> str:
+    parts = []
+    for k, v in values.items():
+        text = str(v)
+        if not k or any(c.isspace() or c == "=" for c in k) or any(c.isspace() for c in text):
+            raise ValueError(f"{k}={text!r}: keys and values must be single words")
+        parts.append(f"{k}={text}")
+    return " ".join(parts)
+
+
+def default_trace_path() -> Path:
+    """The shared trace: ``<repo>/../shared/traces/qwen3-30b-a3b.route.csv``."""
+    repo = Path(__file__).resolve().parents[2]
+    return repo.parent / "shared" / "traces" / "qwen3-30b-a3b.route.csv"
