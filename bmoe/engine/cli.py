@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from bmoe.bench.harness import add_bench_command
 from bmoe.engine.config import MiB, RunConfig
 from bmoe.errors import BmoeError, ConfigError, first_error
 
@@ -89,6 +90,8 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--io", choices=("real", "sim"), default=None,
                    help="real reads from -m, or reads modelled from a probe of this disk (default: real with -m)")
     p.add_argument("--io-threads", type=int, default=2)
+    p.add_argument("--overlap", type=lambda s: s.split(","), default=["none"],
+                   help="none,tensor,expert: modelled overlap of reads with the expert matmuls")
     p.add_argument("--compute-ms-per-layer", type=float, default=1.0,
                    help="modelled compute per layer when the trace has no timings")
     p.add_argument("--json", action="store_true")
@@ -291,7 +294,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from bmoe.engine.replay import ComputeModel, replay
+    from bmoe.engine.replay import OVERLAP_MODES, ComputeModel, replay
     from bmoe.io.validate import open_layout
     from bmoe.pipeline.trace import read_trace
 
@@ -303,15 +306,19 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     trace = read_trace(args.trace)
     layout = open_layout(args.model) if io == "real" else None
     compute = ComputeModel(trace.timing, args.compute_ms_per_layer / 1e3)
+    bad = [o for o in args.overlap if o not in OVERLAP_MODES]
+    if bad:
+        raise ConfigError(f"--overlap takes {', '.join(OVERLAP_MODES)}; got {', '.join(bad)}")
     results = []
-    for policy in args.policy:
-        for mb in args.cache_mb:
-            r = _run_async(replay(trace, budget_bytes=int(mb * MiB), policy=policy, compute=compute,
-                                  io_threads=args.io_threads, model=layout,
-                                  sim_dir=args.trace.resolve().parent))
-            results.append(r.as_dict())
-            if not args.json:
-                print(_replay_row(r.as_dict()), flush=True)
+    for overlap in args.overlap:
+        for policy in args.policy:
+            for mb in args.cache_mb:
+                r = _run_async(replay(trace, budget_bytes=int(mb * MiB), policy=policy, compute=compute,
+                                      io_threads=args.io_threads, model=layout, overlap=overlap,
+                                      sim_dir=args.trace.resolve().parent))
+                results.append(r.as_dict())
+                if not args.json:
+                    print(_replay_row(r.as_dict()), flush=True)
     how = (f"compute: {compute.describe()}; reads: {results[0]['io'] if results else io}; hit % = hits / "
            "(hits + experts read) per layer event, decode phase and all phases; tok/s = decode tokens "
            "over the replay's decode wall time")
@@ -330,7 +337,7 @@ def _replay_row(r: dict) -> str:
     def num(v: float | None, fmt: str) -> str:
         return "unmeasured" if v is None else format(v, fmt)
 
-    return (f"{r['policy']:>8} {r['cache_mb']:>8.0f} MiB  decode hit {num(r['decode_hit_pct'], '5.1f')}%  "
+    return (f"{r['policy']:>8} {r['overlap']:>6} {r['cache_mb']:>8.0f} MiB  decode hit {num(r['decode_hit_pct'], '5.1f')}%  "
             f"all {num(r['hit_pct'], '5.1f')}%  read {r['bytes_read'] / MiB:9.1f} MiB  "
             f"{num(r['tok_per_s'], '7.2f')} tok/s")
 
@@ -353,11 +360,12 @@ def _plot(path: Path, rows: list[dict], title: str) -> None:
     except ImportError:
         raise ConfigError("--plot needs matplotlib: pip install 'bmoe[plot]'") from None
     fig, (ax_hit, ax_tok) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for policy in dict.fromkeys(r["policy"] for r in rows):
-        mine = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["cache_mb"])
+    for series in dict.fromkeys((r["policy"], r["overlap"]) for r in rows):
+        mine = sorted((r for r in rows if (r["policy"], r["overlap"]) == series), key=lambda r: r["cache_mb"])
         mb = [r["cache_mb"] for r in mine]
-        ax_hit.plot(mb, [r["decode_hit_pct"] for r in mine], marker="o", label=policy)
-        ax_tok.plot(mb, [r["tok_per_s"] for r in mine], marker="o", label=policy)
+        label = series[0] if series[1] == "none" else f"{series[0]}, overlap {series[1]}"
+        ax_hit.plot(mb, [r["decode_hit_pct"] for r in mine], marker="o", label=label)
+        ax_tok.plot(mb, [r["tok_per_s"] for r in mine], marker="o", label=label)
     ax_hit.set(xlabel="cache budget (MiB)", ylabel="decode hit %", title="expert cache hit rate")
     ax_tok.set(xlabel="cache budget (MiB)", ylabel="predicted tok/s", title="replayed decode speed")
     for ax in (ax_hit, ax_tok):
@@ -436,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     _chat_parser(sub)
     _replay_parser(sub)
     _demo_parser(sub)
+    add_bench_command(sub)
     _tiny_parser(sub)
     args = parser.parse_args(argv)
     try:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bmoe.engine.recipes import recipe_for
 from bmoe.engine.streaming import Streamer
 from bmoe.errors import BmoeError, DecodeAbortedError
 from bmoe.io.direct import ShardReader
@@ -48,6 +49,7 @@ class ReplayResult:
     misses: int
     decode_tokens: int
     io: str
+    overlap: str
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -82,17 +84,51 @@ def check_layout(trace: RouteTrace, layout: ModelLayout) -> dict[int, int]:
     return entry
 
 
-def _modelled_decode(gate: RoutingGate, compute: ComputeModel) -> Callable[[Sequence[LayerEvent]], None]:
+OVERLAP_MODES = ("none", "tensor", "expert")
+
+
+def _modelled_decode(
+    gate: RoutingGate, compute: ComputeModel, overlap: str, n_proj: int
+) -> Callable[[Sequence[LayerEvent]], None]:
+    """The compute thread of a replay. A layer's compute is modelled as n_proj + 1 equal parts,
+    one per expert projection's matmul and one for the rest of the layer; ``none`` waits for all
+    of the layer's bytes first, ``tensor`` (what stock llama.cpp allows) waits for each projection
+    before its matmul, ``expert`` (what a per-expert readiness hook in the kernel would allow)
+    waits for each expert's slice before that expert's share of the matmul."""
+
     def decode(call: Sequence[LayerEvent]) -> None:
         for ev in call:
             if gate.aborting:
                 raise gate.error or DecodeAbortedError("replay aborted")
             gate.route(ev.layer, np.asarray(ev.experts, dtype=np.int32)[None, :])
-            time.sleep(compute(ev))
+            part = compute(ev) / (n_proj + 1)
+            if overlap == "tensor":
+                for p in range(n_proj):
+                    if p:
+                        gate.wait_proj(ev.layer, p)
+                    time.sleep(part)
+            elif overlap == "expert":
+                experts = sorted(set(ev.experts))
+                for p in range(n_proj):
+                    for e in experts:
+                        gate.wait_expert(ev.layer, p, e)
+                        time.sleep(part / len(experts))
+                gate.close_layer(ev.layer)
+            else:
+                time.sleep(part * n_proj)
+            time.sleep(part)
         if gate.error is not None:
             raise gate.error
 
     return decode
+
+
+def _projections(arch: str) -> int:
+    """Expert projections per layer of an architecture (3 when bmoe has no recipe for it)."""
+    try:
+        return len(recipe_for(arch).expert_suffixes)
+    except BmoeError:
+        return 3
 
 
 def _calls(events: Sequence[LayerEvent]) -> list[list[LayerEvent]]:
@@ -114,6 +150,7 @@ async def replay(
     model: ModelLayout | None = None,
     sim_dir: Path | None = None,
     odirect: bool = True,
+    overlap: str = "none",
 ) -> ReplayResult:
     """One replay at one budget with one policy; reads from ``model`` (real) or modelled (sim)."""
     events = trace.layer_events()
@@ -127,13 +164,21 @@ async def replay(
         io = reader.mode
     else:
         entry = dict(trace.expert_bytes)
-        residency = SimResidency(trace.n_layer, trace.n_expert, entry)
+        residency = SimResidency(trace.n_layer, trace.n_expert, entry, _projections(trace.arch))
         probe = cached_probe(sim_dir or Path.cwd(), max(entry.values()), io_threads)
         reader = SimReader(probe)
         io = reader.mode
     cache = ExpertCache(budget_bytes, entry, make_policy(policy, future=[(e.layer, e.experts) for e in events]))
     streamer = Streamer(residency, reader, cache, gate, Hooks(), io_threads, Budget(budget_bytes, "replay"))
-    stage = ComputeStage(_modelled_decode(gate, compute), gate.arm, gate.disarm, gate.abort)
+    n_proj = residency.n_proj(trace.moe_layers[0])
+    if overlap == "tensor":
+        gate.first_proj = {il: 0 for il in trace.moe_layers}
+        gate.last_proj = {il: n_proj - 1 for il in trace.moe_layers}
+    elif overlap == "expert":
+        gate.per_expert = streamer.prefetch.per_expert = True
+    elif overlap != "none":
+        raise BmoeError(f"overlap must be one of {', '.join(OVERLAP_MODES)}, got {overlap!r}")
+    stage = ComputeStage(_modelled_decode(gate, compute, overlap, n_proj), gate.arm, gate.disarm, gate.abort)
     hits = [0, 0]
     misses = [0, 0]
     decode_s = 0.0
@@ -162,5 +207,5 @@ async def replay(
         policy=cache.policy_name, cache_mb=budget_bytes / MiB,
         decode_hit_pct=pct(hits[1], misses[1]), hit_pct=pct(sum(hits), sum(misses)),
         bytes_read=read, tok_per_s=decode_tokens / decode_s if decode_s > 0 else None,
-        hits=sum(hits), misses=sum(misses), decode_tokens=decode_tokens, io=io,
+        hits=sum(hits), misses=sum(misses), decode_tokens=decode_tokens, io=io, overlap=overlap,
     )

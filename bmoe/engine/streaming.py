@@ -44,7 +44,7 @@ class Streamer:
         self.lanes = ThreadPoolExecutor(io_threads, thread_name_prefix="bmoe-io")
         self.board = ReadinessBoard()
         self.prefetch = PrefetchStage(cache, residency, self.board, gate.fast_hits, hooks)
-        self.read = ReadStage(reader, self.lanes, self.board, hooks)
+        self.read = ReadStage(reader, self.lanes, io_threads, self.board, hooks)
         self.bind = BindStage(residency)
         self._gate = gate
         self.trim_s = 0.0

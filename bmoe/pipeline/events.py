@@ -39,8 +39,13 @@ class RoutingEvent:
         default_factory=lambda: tuple(concurrent.futures.Future() for _ in range(MAX_PROJ))
     )
 
+    # Modelled per-expert overlap (replay only): set once ``expert_ready`` holds a future per
+    # (projection, expert), each set when that one slice is in place.
+    planned: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
+    expert_ready: dict[tuple[int, int], concurrent.futures.Future[None]] = field(default_factory=dict)
+
     def fail(self, error: BaseException) -> None:
-        for fut in (*self.proj_ready, self.reply):
+        for fut in (*self.proj_ready, self.reply, self.planned, *self.expert_ready.values()):
             if not fut.done():
                 fut.set_exception(error)
 

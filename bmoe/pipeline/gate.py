@@ -46,6 +46,9 @@ class RoutingGate:
         # rest are waited for by ``wait_proj`` at the matmul nodes. None: serial, wait for all.
         self.first_proj: dict[int, int] | None = None
         self.last_proj: dict[int, int] = {}
+        # Modelled per-expert overlap (replay): routing returns once the layer is planned, and the
+        # compute waits slice by slice with ``wait_expert``.
+        self.per_expert = False
         self._open: dict[int, RoutingEvent] = {}
 
     def set_resident_maps(self, maps: list[np.ndarray]) -> None:
@@ -90,6 +93,7 @@ class RoutingGate:
         self._pending.add(event)
         self.event_layers += 1
         first = self.first_proj.get(layer) if self.first_proj is not None else None
+        gate_on = event.planned if self.per_expert else event.reply if first is None else event.proj_ready[first]
         done = False
         try:
             if self.aborting:  # abort() ran before the event was registered: it saw no event
@@ -97,11 +101,11 @@ class RoutingGate:
             t0 = time.perf_counter()
             loop.call_soon_threadsafe(events.send_nowait, event)
             try:
-                (event.reply if first is None else event.proj_ready[first]).result()
+                gate_on.result()
             finally:
                 waited = time.perf_counter() - t0
                 self.blocked_s += waited
-            done = first is None
+            done = first is None and not self.per_expert
         finally:
             if done or self.aborting:
                 self._pending.discard(event)
@@ -123,3 +127,19 @@ class RoutingGate:
             if proj == self.last_proj.get(layer) or self.aborting:
                 del self._open[layer]
                 self._pending.discard(event)
+
+    def wait_expert(self, layer: int, proj: int, expert: int) -> None:
+        """Modelled per-expert overlap: block until one slice of the layer is in place."""
+        event = self._open.get(layer)
+        if event is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            event.expert_ready[proj, expert].result()
+        finally:
+            self.blocked_s += time.perf_counter() - t0
+
+    def close_layer(self, layer: int) -> None:
+        event = self._open.pop(layer, None)
+        if event is not None:
+            self._pending.discard(event)

@@ -112,14 +112,15 @@ class Residency:
 
 class SimResidency:
     """Residency with no memory behind it, for replays that model reads instead of making them:
-    one projection per expert, sized from the trace, and nothing to bind or release."""
+    experts sized from the trace, split into the architecture's projections, nothing to bind."""
 
-    def __init__(self, n_layer: int, n_expert: int, entry_bytes: Mapping[int, int]) -> None:
+    def __init__(self, n_layer: int, n_expert: int, entry_bytes: Mapping[int, int], n_proj: int = 1) -> None:
         self._entry = dict(entry_bytes)
+        self._n_proj = n_proj
         self.maps = [np.zeros(n_expert, dtype=bool) for _ in range(n_layer)]
 
     def n_proj(self, layer: int) -> int:
-        return 1
+        return self._n_proj
 
     def entry_bytes(self) -> dict[int, int]:
         return dict(self._entry)
@@ -128,8 +129,11 @@ class SimResidency:
         pass
 
     def requests(self, layer: int, expert: int) -> list[ReadRequest]:
-        nbytes = self._entry[layer]
-        return [ReadRequest(ExpertKey(layer, 0, expert), 0, expert * nbytes, nbytes, 0)]
+        """The expert's bytes split evenly over its projections (the last takes the remainder)."""
+        total = self._entry[layer]
+        part = total // self._n_proj
+        sizes = [part] * (self._n_proj - 1) + [total - part * (self._n_proj - 1)]
+        return [ReadRequest(ExpertKey(layer, p, expert), 0, expert * total, n, 0) for p, n in enumerate(sizes)]
 
     def layer_spans(self, layer: int) -> list[tuple[int, int]]:
         return []

@@ -6,12 +6,15 @@ readiness futures to the bind stage.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
+from functools import partial
 from collections import deque
 
 import numpy as np
 
-from bmoe.pipeline.cache import ExpertCache
+from bmoe.pipeline.cache import ExpertCache, Plan
+from bmoe.errors import ReadError
 from bmoe.pipeline.channel import Channel
 from bmoe.pipeline.events import ExpertKey, ReadRequest, RoutingEvent
 from bmoe.pipeline.hooks import Hooks
@@ -37,6 +40,8 @@ class PrefetchStage:
         # Per layer, projections in the order the graph consumes them (found at open); default:
         # the residency's order.
         self.consumption: dict[int, tuple[int, ...]] = {}
+        # Replay of a per-expert readiness hook: publish one thread-safe future per slice.
+        self.per_expert = False
 
     def account_fast_hits(self) -> None:
         """Plan the layers the routing gate served alone because all were resident, in order: the
@@ -81,10 +86,24 @@ class PrefetchStage:
                         by_proj[p].append(fut)
                         reads.send_nowait((request, fut))
                     by_proj[p].extend(self._board.inflight(ExpertKey(event.layer, p, e) for e in plan.hits))
+                if self.per_expert:
+                    self._expose_per_expert(event, plan, by_proj)
                 binds.send_nowait(BindJob(event, plan, by_proj, issued_at))
         finally:
             reads.close()
             binds.close()
+
+    def _expose_per_expert(self, event: RoutingEvent, plan: Plan, by_proj: list[list[asyncio.Future[int]]]) -> None:
+        for p in range(len(by_proj)):
+            for e in plan.hits + plan.misses:
+                ready: concurrent.futures.Future[None] = concurrent.futures.Future()
+                inflight = self._board.inflight([ExpertKey(plan.layer, p, e)])
+                if inflight:
+                    inflight[0].add_done_callback(partial(_mirror, ready))
+                else:
+                    ready.set_result(None)
+                event.expert_ready[p, e] = ready
+        event.planned.set_result(None)
 
     def _order(self, layer: int, n_proj: int) -> tuple[int, ...]:
         return self.consumption.get(layer) or tuple(range(n_proj))
@@ -96,3 +115,12 @@ class PrefetchStage:
                 self._residency.maps[layer][expert] = False
 
         return done
+
+
+def _mirror(ready: concurrent.futures.Future[None], fut: asyncio.Future[int]) -> None:
+    if ready.done():
+        return
+    if fut.cancelled() or fut.exception() is not None:
+        ready.set_exception(fut.exception() if not fut.cancelled() else ReadError("read cancelled"))
+    else:
+        ready.set_result(None)

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
 from bmoe.errors import ReadError
 from bmoe.pipeline.channel import Channel
-from bmoe.pipeline.events import ReadRequest
+from bmoe.pipeline.events import ExpertKey, ReadRequest
 from bmoe.pipeline.hooks import Hooks
 from bmoe.pipeline.readiness import ReadinessBoard
 
@@ -30,14 +31,17 @@ class ReadCounters:
     bytes_read: int = 0  # bytes transferred from the file (O_DIRECT reads whole aligned pages)
     slice_bytes: int = 0  # bytes of the slices asked for
     busy_s: float = 0.0  # summed lane time inside reads
+    speculative_bytes: int = 0  # of bytes_read, those read ahead of need (prefetch)
+    speculative_dropped: int = 0  # speculative reads dropped unstarted: their layer had run
 
 
 class ReadStage:
     def __init__(
-        self, reader: Reader, lanes: ThreadPoolExecutor, board: ReadinessBoard, hooks: Hooks
+        self, reader: Reader, lanes: ThreadPoolExecutor, n_lanes: int, board: ReadinessBoard, hooks: Hooks
     ) -> None:
         self._reader = reader
         self._lanes = lanes
+        self._n_lanes = n_lanes
         self._board = board
         self._hooks = hooks
         self.counters = ReadCounters()
@@ -52,31 +56,70 @@ class ReadStage:
         finally:
             self.counters.busy_s += time.perf_counter() - t0
 
-    async def run(self, reads: Channel[tuple[ReadRequest, asyncio.Future[int]]]) -> None:
+    async def run(self, reads: Channel[tuple[ReadRequest, asyncio.Future[int]] | ExpertKey]) -> None:
+        """Lanes pull real reads first and speculative ones only when no real read waits. A key
+        sent alone promotes its queued speculative read (a real layer now needs it). When the
+        channel closes, speculative reads still queued are dropped: their layers have run."""
         loop = asyncio.get_running_loop()
-        inflight: set[asyncio.Future[int]] = set()
-        async for request, ready in reads:
-            lane = loop.run_in_executor(self._lanes, self._read, request)
-            lane.add_done_callback(lambda f, r=request, w=ready: self._done(r, w, f))
-            inflight.add(lane)
-            lane.add_done_callback(inflight.discard)
-        if inflight:
-            await asyncio.wait(inflight)
+        real: deque[tuple[ReadRequest, asyncio.Future[int]]] = deque()
+        spec: dict[ExpertKey, tuple[ReadRequest, asyncio.Future[int]]] = {}
+        wake = asyncio.Event()
+        closed = False
 
-    def _done(self, request: ReadRequest, ready: asyncio.Future[int], lane: asyncio.Future[int]) -> None:
-        if lane.cancelled():
-            self._board.complete(request.key, ready, None, ReadError(f"read of {request.key} cancelled"))
-            return
-        exc = lane.exception()
-        if exc is not None:
-            if not isinstance(exc, ReadError):
-                wrapped = ReadError(f"read of {request.key} failed: {exc}")
-                wrapped.__cause__ = exc
-                exc = wrapped
-            self._board.complete(request.key, ready, None, exc)
-            return
-        n = lane.result()
+        async def feed() -> None:
+            nonlocal closed
+            async for item in reads:
+                if isinstance(item, ExpertKey):
+                    queued = spec.pop(item, None)
+                    if queued is not None:
+                        real.append(queued)
+                elif item[0].speculative:
+                    spec[item[0].key] = item
+                else:
+                    real.append(item)
+                wake.set()
+            closed = True
+            for request, ready in spec.values():
+                self._board.complete(request.key, ready, None, ReadError(f"speculative read of {request.key} dropped"))
+            self.counters.speculative_dropped += len(spec)
+            spec.clear()
+            wake.set()
+
+        async def lane() -> None:
+            while True:
+                if real:
+                    request, ready = real.popleft()
+                elif spec:
+                    request, ready = spec.pop(next(iter(spec)))
+                elif closed:
+                    return
+                else:
+                    wake.clear()
+                    await wake.wait()
+                    continue
+                try:
+                    n = await loop.run_in_executor(self._lanes, self._read, request)
+                except Exception as exc:  # noqa: BLE001 - delivered through the readiness future
+                    self._fail(request, ready, exc)
+                else:
+                    self._landed(request, ready, n)
+
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(feed())
+            for _ in range(self._n_lanes):
+                tg.create_task(lane())
+
+    def _fail(self, request: ReadRequest, ready: asyncio.Future[int], exc: BaseException) -> None:
+        if not isinstance(exc, ReadError):
+            wrapped = ReadError(f"read of {request.key} failed: {exc}")
+            wrapped.__cause__ = exc
+            exc = wrapped
+        self._board.complete(request.key, ready, None, exc)
+
+    def _landed(self, request: ReadRequest, ready: asyncio.Future[int], n: int) -> None:
         self.counters.slices += n > 0
         self.counters.bytes_read += n
         self.counters.slice_bytes += request.nbytes
+        if request.speculative:
+            self.counters.speculative_bytes += n
         self._board.complete(request.key, ready, n, None)

@@ -1,0 +1,240 @@
+"""``bmoe bench`` plumbing: the report it writes, the balloon's life, the refusals. Never timings."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bmoe.bench import harness
+from bmoe.bench.balloon import Balloon, GiB, MiB, plan_balloon
+from bmoe.errors import BudgetError, ConfigError
+from bmoe.io import probe
+from bmoe.synth.tiny import TinySpec, write_tiny
+
+KEYS = ("device_read_mb_s", "stream_cache_off_read_mb_s", "resident_tok_s", "mmap_tok_s", "stream_tok_s",
+        "all_cached_tok_s", "p1_all_cached_over_resident", "p2_read_over_device", "p3_stream_over_mmap")
+LOCK = 64 * MiB
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny(tmp_path_factory.mktemp("bench") / "tiny.gguf", TinySpec())[0]
+
+
+@pytest.fixture(autouse=True)
+def small_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe's 256 MiB scratch file is for real devices; plumbing needs a few MiB."""
+    monkeypatch.setattr(probe, "_SCRATCH_BYTES", 4 * MiB)
+
+
+@pytest.fixture
+def spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Pids of every balloon the harness inflates."""
+    pids: list[int] = []
+
+    class Spy(Balloon):
+        def inflate(self) -> Balloon:
+            out = super().inflate()
+            assert self.pid is not None
+            pids.append(self.pid)
+            return out
+
+    monkeypatch.setattr(harness, "Balloon", Spy)
+    return pids
+
+
+def limit_of(model_path: Path) -> float:
+    """A --ram-limit (GiB) just past the refusal floor for this model."""
+    from bmoe.io.validate import open_layout
+
+    return (open_layout(model_path).dense_bytes + GiB + MiB) / GiB
+
+
+def inject_memory(monkeypatch: pytest.MonkeyPatch, available: int) -> None:
+    monkeypatch.setattr(harness, "meminfo_reader", lambda: {"MemTotal": 24 * GiB, "MemAvailable": available})
+    monkeypatch.setattr(harness, "cgroup_room", lambda: None)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="bmoe")
+    sub = parser.add_subparsers(dest="command", required=True)
+    harness.add_bench_command(sub)
+    return parser.parse_args(["bench", *argv])
+
+
+def gone(pid: int) -> bool:
+    """True once the process no longer exists (or is a zombie nobody reaped: it holds no memory)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return True
+    return state in ("Z", "X")
+
+
+def wait_gone(pid: int, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if gone(pid):
+            return True
+        time.sleep(0.05)
+    return gone(pid)
+
+
+def test_bench_json_and_files_under_a_ram_limit(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str], spy: list[int]) -> None:
+    limit = limit_of(model)
+    inject_memory(monkeypatch, int(limit * GiB) + LOCK)  # so the balloon locks a real 64 MiB
+    out = tmp_path / "report"
+    args = parse([str(model), "--tokens", "4", "--warmup", "2", "-t", "1", "--ram-limit", str(limit), "--json",
+                  "--out", str(out), "--plot", str(tmp_path / "p.png")])
+    assert args.func(args) == 0
+    result = json.loads(capsys.readouterr().out)
+
+    for key in KEYS:
+        assert key in result
+        assert result[key] is None and key in result["notes"] or isinstance(result[key], float), key
+    assert all(v != 0 for k, v in result.items() if k in KEYS)  # unmeasured is null, never 0
+    assert set(KEYS) <= set(result["how"])
+    assert result["identical_tokens"] is True
+    assert {r["id"] for r in result["runs"]} >= {"resident", "mmap", "stream_off", "stream_below_ws",
+                                                  "stream_half_bank", "all_cached", "overlap"}
+    assert result["runs"][[r["id"] for r in result["runs"]].index("all_cached")]["hit_pct"] == 100.0
+    assert [p["lanes"] for p in result["probe"]] == [1, 2, 4, 8]
+    assert result["machine"]["cores"] and result["machine"]["kernel"] and result["machine"]["cpu_model"]
+    assert result["config"]["balloon"]["lock_bytes"] == LOCK
+    assert result["config"]["balloon"]["alive_at_end"] is True
+
+    md = (out / "bench.md").read_text()
+    assert "| config |" in md and "stream, cache off" in md and "## Machine" in md
+    with open(out / "bench.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(result["runs"]) and "tok_s" in rows[0]
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((out / "bench.json").read_text())["p3_stream_over_mmap"] == result["p3_stream_over_mmap"]
+
+    assert len(spy) == 1 and wait_gone(spy[0])
+
+
+def test_balloon_released_when_the_harness_raises(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  spy: list[int]) -> None:
+    limit = limit_of(model)
+    inject_memory(monkeypatch, int(limit * GiB) + LOCK)
+    seen: list[bool] = []
+
+    def boom(*_a: object) -> None:
+        seen.append(not gone(spy[0]))  # the balloon stands while configurations run
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(harness, "execute", boom)
+    args = parse([str(model), "--tokens", "4", "--ram-limit", str(limit), "--out", str(tmp_path)])
+    with pytest.raises(RuntimeError, match="injected"):
+        args.func(args)
+    assert seen == [True]
+    assert len(spy) == 1 and wait_gone(spy[0])
+
+
+def test_unmeasured_figures_are_null_with_reasons(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """No memory to speak of: everything but the cache-off runs is skipped; and the mmap run fails."""
+    inject_memory(monkeypatch, 64 * MiB)
+
+    def fake(run: harness.Run, *_a: object) -> None:
+        if run.kind == "mmap":
+            run.error = "child killed by signal 9 (out of memory?)"
+            return
+        run.result = {"tokens": [1, 2, 3, 4], "open_s": 0.1, "peak_rss_bytes": 50 * MiB, "disk_read_bytes": MiB,
+                      "io_mode": "odirect", "stats": {"mode": "stream", "generated_tokens": 4, "tok_per_s": 5.0,
+                                                      "read_mib_per_s": 40.0, "cache_hit_pct": 0.0}}
+
+    monkeypatch.setattr(harness, "execute", fake)
+    args = parse([str(model), "--tokens", "4", "--json", "--out", str(tmp_path)])
+    assert args.func(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    rows = {r["id"]: r for r in result["runs"]}
+    assert rows["resident"]["status"] == "skipped" and "exceed" in rows["resident"]["notes"]
+    assert rows["mmap"]["status"] == "failed"
+    for key in ("resident_tok_s", "mmap_tok_s", "all_cached_tok_s", "p1_all_cached_over_resident",
+                "p3_stream_over_mmap"):
+        assert result[key] is None and result["notes"][key], key
+    assert result["stream_tok_s"] == 5.0 and result["stream_cache_off_read_mb_s"] == 40.0
+    assert (tmp_path / "bench.png").exists() and (tmp_path / "bench.csv").exists()
+
+
+def test_overlap_said_unavailable_without_the_field(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from bmoe.io.validate import open_layout
+
+    monkeypatch.setattr(harness, "has_overlap", lambda: False)
+    runs = harness.plan_runs(open_layout(model), harness.BenchOptions(model), 8 * GiB)
+    overlap = next(r for r in runs if r.id == "overlap")
+    assert overlap.skip and "unavailable" in overlap.skip
+
+
+def test_too_tight_limit_refused(model: Path, tmp_path: Path) -> None:
+    args = parse([str(model), "--ram-limit", "0.5", "--out", str(tmp_path / "never")])
+    with pytest.raises(BudgetError, match="too tight"):
+        args.func(args)
+    assert not (tmp_path / "never").exists()  # refused before measuring anything
+
+
+def test_balloon_plan_bounds() -> None:
+    info = {"MemTotal": 16 * GiB, "MemAvailable": 10 * GiB}
+    plan = plan_balloon(4 * GiB, 2 * GiB, meminfo=info, memlock=(-1, -1), privileged=False)
+    assert plan.lock_bytes == 6 * GiB
+    with pytest.raises(BudgetError, match="too tight"):  # < dense + 1 GiB
+        plan_balloon(int(2.5 * GiB), 2 * GiB, meminfo=info)
+    with pytest.raises(BudgetError, match="RLIMIT_MEMLOCK"):
+        plan_balloon(4 * GiB, 2 * GiB, meminfo=info, memlock=(64 * MiB, 64 * MiB), privileged=False)
+    assert plan_balloon(4 * GiB, 2 * GiB, meminfo=info, memlock=(64 * MiB, 64 * MiB), privileged=True).lock_bytes
+    assert plan_balloon(12 * GiB, 2 * GiB, meminfo=info).lock_bytes == 0  # already below the limit
+    assert plan_balloon(4 * GiB, 2 * GiB, meminfo=info, cgroup=5 * GiB).lock_bytes == GiB  # cgroup room smaller
+
+
+def test_bad_options_are_config_errors(model: Path) -> None:
+    with pytest.raises(ConfigError, match="tokens"):
+        harness.BenchOptions(model, tokens=1).validate()
+    with pytest.raises(ConfigError, match="io-threads"):
+        harness.BenchOptions(model, io_threads=0).validate()
+
+
+def test_balloon_locks_and_releases() -> None:
+    with Balloon(LOCK) as b:
+        pid = b.pid
+        assert pid is not None
+        status = Path(f"/proc/{pid}/status").read_text()
+        locked = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmLck:"))
+        assert locked * 1024 >= LOCK
+    assert wait_gone(pid)
+
+
+def test_balloon_dies_with_its_parent() -> None:
+    code = ("import time; from bmoe.bench.balloon import Balloon; "
+            f"b = Balloon({LOCK}).inflate(); print(b.pid, flush=True); time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        pid = int(parent.stdout.readline())
+        assert not gone(pid)
+    finally:
+        parent.kill()
+        parent.wait()
+    assert wait_gone(pid)
+
+
+def test_balloon_refusal_is_a_budget_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    if os.geteuid() == 0:
+        pytest.skip("root may lock past RLIMIT_MEMLOCK")
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY:
+        pytest.skip("RLIMIT_MEMLOCK is unlimited here")
+    with pytest.raises(BudgetError, match="could not lock"):
+        Balloon(soft + 64 * MiB).inflate()
