@@ -62,11 +62,17 @@ def test_shrinking_budget_evicts_and_discard_forgets() -> None:
         c.set_budget(-1)
 
 
-def test_fast_path_hits_are_counted() -> None:
-    c = cache(1000)
-    c.plan(0, (1,))
-    c.touch(0, [1])
-    assert c.hits == 1
+def test_speculation_holds_the_budget_and_goes_first() -> None:
+    c = cache(300)
+    c.plan(0, (1, 2))
+    ok, evicted = c.speculate((1, 5), protect={(0, 1), (0, 2)})
+    assert ok and evicted == () and c.resident_bytes == 300
+    ok, _ = c.speculate((1, 6), protect={(0, 1), (0, 2), (1, 5)})
+    assert not ok and c.resident_bytes == 300, "no room without touching what is protected"
+    plan = c.plan(2, (9,))
+    assert plan.evictions == ((1, 5),), "unused read-ahead is the first victim"
+    c.speculate((1, 7), protect=set())
+    assert c.plan(1, (7,)).hits == (7,) and c.speculation_useful == 1
 
 
 def test_unknown_policy_is_a_clear_error() -> None:

@@ -63,6 +63,8 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--route-trace", default=None, help="write every routing decision to this file")
     p.add_argument("--overlap", action="store_true",
                    help="read later projections while earlier expert matmuls compute (lossless)")
+    p.add_argument("--prefetch", type=int, default=0, metavar="K",
+                   help="read the previous token's experts of the next K layers ahead (needs a cache)")
     p.add_argument("-t", "--threads", type=int, default=None, help="compute threads")
     p.add_argument("-c", "--ctx", type=int, default=2048, help="context length")
 
@@ -145,6 +147,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
         open_mode=args.open_mode,
         route_trace=args.route_trace,
         overlap=args.overlap,
+        prefetch=args.prefetch,
     ).validate()
 
 

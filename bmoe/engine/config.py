@@ -32,6 +32,9 @@ class RunConfig:
     dense_weights: str = "mmap"
     # Overlap reads with compute: wait at each expert matmul only for the projection it consumes.
     overlap: bool = False
+    # Temporal read-ahead: while layer l computes, read the experts the previous token used at
+    # layers l+1..l+K into the cache (needs a cache budget).
+    prefetch: int = 0
     # Write every routing decision to this file (route_trace v2; streamed runs only).
     route_trace: str | None = None
     # Resident mode only: install the eval callback that filters nodes but streams nothing, to
@@ -61,6 +64,10 @@ class RunConfig:
             )
         if self.route_trace is not None and self.mode != "stream":
             raise ConfigError("route traces are recorded by the streaming callback: use mode='stream'")
+        if not 0 <= self.prefetch <= 64:
+            raise ConfigError(f"prefetch must be 0..64 layers ahead, got {self.prefetch}")
+        if self.prefetch and (self.mode != "stream" or self.cache_bytes == 0):
+            raise ConfigError("prefetch reads ahead into the expert cache: stream with a cache budget")
         if self.overlap and self.mode != "stream":
             raise ConfigError("overlap applies to streamed runs: use mode='stream'")
         if self.eval_filter and self.mode != "resident":

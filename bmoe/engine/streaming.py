@@ -76,7 +76,9 @@ class Streamer:
             reader.close()
             residency.close()
             raise
-        return cls(residency, reader, cache, gate, hooks, config.io_threads, budget)
+        streamer = cls(residency, reader, cache, gate, hooks, config.io_threads, budget)
+        streamer.prefetch.lookahead = config.prefetch
+        return streamer
 
     def counters(self) -> Counters:
         c = self.cache
@@ -84,6 +86,7 @@ class Streamer:
             self.read.counters.slices, self.read.counters.bytes_read, self.read.counters.busy_s,
             self.bind.read_wall_s, self._gate.blocked_s, self.prefetch.cache_s + self.trim_s,
             c.misses, c.hits, c.evictions,
+            self.read.counters.speculative_bytes, c.speculated, c.speculation_useful,
         )
 
     def serve(self, events: Channel[RoutingEvent]) -> list:

@@ -23,6 +23,9 @@ class Counters:
     misses: int = 0
     hits: int = 0
     evictions: int = 0
+    speculative_bytes: int = 0
+    prefetch_issued: int = 0
+    prefetch_useful: int = 0
 
     def __sub__(self, other: Counters) -> Counters:
         return Counters(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
@@ -47,6 +50,9 @@ class GenerationStats:
     cache_s: float | None = None  # cache writer time: planning, evicting, trimming
     budget_bytes: int | None = None
     resident_cache_bytes: int | None = None  # at the end of the generation
+    speculative_bytes: int | None = None  # of bytes_read, read ahead of need (prefetch)
+    prefetch_issued: int | None = None  # experts read ahead into the cache
+    prefetch_useful: int | None = None  # of those, later routed while still cached
     open_mode: str | None = None
     open_bytes_read: int | None = None  # /proc/self/io read_bytes across Session.open
 
@@ -54,6 +60,8 @@ class GenerationStats:
         self.slices_read, self.bytes_read, self.read_busy_s = c.slices, c.bytes_read, c.busy_s
         self.read_wall_s, self.blocked_s, self.cache_s = c.read_wall_s, c.blocked_s, c.cache_s
         self.experts_read, self.cache_hits, self.cache_evictions = c.misses, c.hits, c.evictions
+        self.speculative_bytes = c.speculative_bytes
+        self.prefetch_issued, self.prefetch_useful = c.prefetch_issued, c.prefetch_useful
 
     @property
     def cache_hit_pct(self) -> float | None:
@@ -81,4 +89,5 @@ class GenerationStats:
         out["tok_per_s"] = self.tok_per_s
         out["read_mib_per_s"] = self.read_mib_per_s
         out["cache_hit_pct"] = self.cache_hit_pct
+        out["stall_ms"] = None if self.blocked_s is None else self.blocked_s * 1e3
         return out

@@ -30,7 +30,7 @@ class EvictionPolicy(Protocol):
     A policy may also define any of these optional hooks (``ExpertCache`` calls them when present):
 
     - ``configure(budget_bytes, entry_bytes)``: at construction and whenever the budget changes;
-    - ``routed(layer, experts)``: first thing in every ``plan``/``touch``, with the layer's routed
+    - ``routed(layer, experts)``: first thing in every ``plan``, with the layer's routed
       set (a position in the layer cycle, the current layer's pinned set);
     - ``step_end()``: at each ``trim``, i.e. between llama_decode calls.
     """
@@ -110,10 +110,14 @@ class ExpertCache:
         self._configure = getattr(policy, "configure", _noop)
         self._configure(budget_bytes, self._entry_bytes)
         self._resident: set[Entry] = set()
+        # Read ahead of need and not used yet, oldest first: outside the policy, first to go.
+        self._speculative: dict[Entry, None] = {}
         self.resident_bytes = 0
         self.hits = 0
         self.misses = 0
         self.evictions = 0
+        self.speculated = 0
+        self.speculation_useful = 0
 
     @property
     def policy_name(self) -> str:
@@ -129,7 +133,12 @@ class ExpertCache:
         hits = tuple(e for e in routed if (layer, e) in self._resident)
         misses = tuple(e for e in routed if (layer, e) not in self._resident)
         for e in hits:
-            self._policy.used((layer, e))
+            if (layer, e) in self._speculative:  # read ahead, now needed: the policy takes it on
+                del self._speculative[layer, e]
+                self.speculation_useful += 1
+                self._policy.admitted((layer, e))
+            else:
+                self._policy.used((layer, e))
         need = len(misses) * self._entry_bytes[layer]
         pinned = {(layer, e) for e in routed}
         evicted = self._evict_until(self.budget_bytes - need, pinned)
@@ -141,17 +150,26 @@ class ExpertCache:
         self.misses += len(misses)
         return Plan(layer, hits, misses, evicted)
 
-    def touch(self, layer: int, experts: Iterable[int]) -> None:
-        """Account hits served without a plan (the eval callback's all-resident fast path)."""
-        experts = tuple(experts)
-        self._routed(layer, experts)
-        for e in experts:
-            if (layer, e) in self._resident:
-                self._policy.used((layer, e))
-                self.hits += 1
+    def speculate(self, entry: Entry, protect: set[Entry]) -> tuple[bool, tuple[Entry, ...]]:
+        """Admit an entry read ahead of need, if room can be made without touching ``protect``
+        (the layer being served and the other read-ahead candidates). The budget holds: nothing is
+        admitted over it. Until a plan uses it, the entry is the first to be evicted."""
+        if entry in self._resident:
+            return False, ()
+        need = self._entry_bytes[entry[0]]
+        if need > self.budget_bytes:
+            return False, ()
+        evicted = self._evict_until(self.budget_bytes - need, protect)
+        if self.resident_bytes + need > self.budget_bytes:
+            return False, evicted
+        self._resident.add(entry)
+        self._speculative[entry] = None
+        self.resident_bytes += need
+        self.speculated += 1
+        return True, evicted
 
     def discard(self, entry: Entry) -> None:
-        """Forget an entry whose read failed: it must never count as a hit."""
+        """Forget an entry whose read failed or was dropped: it must never count as a hit."""
         if entry in self._resident:
             self._remove(entry)
 
@@ -171,6 +189,12 @@ class ExpertCache:
         if self.resident_bytes <= limit:
             return ()
         evicted: list[Entry] = []
+        for entry in list(self._speculative):  # unused read-ahead goes before anything the policy holds
+            if self.resident_bytes <= limit:
+                break
+            if entry not in pinned:
+                self._remove(entry)
+                evicted.append(entry)
         candidates = self._policy.victims()
         try:
             # Ask for the next victim only while over the limit: every candidate handed out is
@@ -192,5 +216,8 @@ class ExpertCache:
 
     def _remove(self, entry: Entry) -> None:
         self._resident.remove(entry)
-        self._policy.removed(entry)
+        if entry in self._speculative:
+            del self._speculative[entry]
+        else:
+            self._policy.removed(entry)
         self.resident_bytes -= self._entry_bytes[entry[0]]

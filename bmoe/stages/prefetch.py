@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
+from dataclasses import replace
 from functools import partial
 from collections import deque
 
@@ -16,7 +17,7 @@ import numpy as np
 from bmoe.pipeline.cache import ExpertCache, Plan
 from bmoe.errors import ReadError
 from bmoe.pipeline.channel import Channel
-from bmoe.pipeline.events import ExpertKey, ReadRequest, RoutingEvent
+from bmoe.pipeline.events import PHASE_DECODE, ExpertKey, ReadRequest, RoutingEvent
 from bmoe.pipeline.hooks import Hooks
 from bmoe.pipeline.readiness import ReadinessBoard
 from bmoe.stages.bind import BindJob, Residency
@@ -42,6 +43,11 @@ class PrefetchStage:
         self.consumption: dict[int, tuple[int, ...]] = {}
         # Replay of a per-expert readiness hook: publish one thread-safe future per slice.
         self.per_expert = False
+        # Temporal read-ahead: while a layer is served, read what the previous token routed at
+        # the next ``lookahead`` MoE layers into the cache, on idle lanes, within the budget.
+        self.lookahead = 0
+        self._last: dict[int, tuple[int, ...]] = {}  # layer -> experts it routed last time
+        self._moe_layers: list[int] = []
 
     def account_fast_hits(self) -> None:
         """Plan the layers the routing gate served alone because all were resident, in order: the
@@ -49,7 +55,9 @@ class PrefetchStage:
         fast = self._fast_hits
         while fast:
             layer, experts = fast.popleft()
-            self.evict(self._cache.plan(layer, experts.tolist()).evictions)
+            routed = experts.tolist()
+            self.evict(self._cache.plan(layer, routed).evictions)
+            self._last[layer] = tuple(routed)
 
     def evict(self, entries: tuple[tuple[int, int], ...]) -> None:
         for layer, expert in entries:
@@ -67,6 +75,7 @@ class PrefetchStage:
                 self.account_fast_hits()
                 plan = self._cache.plan(event.layer, event.experts)
                 self.evict(plan.evictions)
+                self._last[event.layer] = event.experts
                 self.cache_s += time.perf_counter() - t0
                 if self._hooks.on_plan:
                     self._hooks.on_plan(event, plan)
@@ -86,12 +95,35 @@ class PrefetchStage:
                         by_proj[p].append(fut)
                         reads.send_nowait((request, fut))
                     by_proj[p].extend(self._board.inflight(ExpertKey(event.layer, p, e) for e in plan.hits))
+                for e in plan.hits:  # a hit still read ahead must not wait behind other read-ahead
+                    for p in range(n_proj):
+                        reads.send_nowait(ExpertKey(event.layer, p, e))
                 if self.per_expert:
                     self._expose_per_expert(event, plan, by_proj)
                 binds.send_nowait(BindJob(event, plan, by_proj, issued_at))
+                if self.lookahead and event.phase == PHASE_DECODE:
+                    self._read_ahead(event, reads)
         finally:
             reads.close()
             binds.close()
+
+    def _read_ahead(self, event: RoutingEvent, reads: Channel) -> None:
+        if not self._moe_layers:
+            self._moe_layers = sorted(self._residency.entry_bytes())
+        i = self._moe_layers.index(event.layer)
+        ahead = [(il, self._last.get(il, ())) for il in self._moe_layers[i + 1 : i + 1 + self.lookahead]]
+        protect = {(event.layer, e) for e in event.experts}
+        protect |= {(il, e) for il, experts in ahead for e in experts}
+        for il, experts in ahead:
+            for e in experts:
+                admitted, evicted = self._cache.speculate((il, e), protect)
+                self.evict(evicted)
+                if not admitted:
+                    continue
+                for request in self._residency.requests(il, e):
+                    fut = self._board.expect(request.key)
+                    fut.add_done_callback(self._forget_on_failure(il, e))
+                    reads.send_nowait((replace(request, speculative=True), fut))
 
     def _expose_per_expert(self, event: RoutingEvent, plan: Plan, by_proj: list[list[asyncio.Future[int]]]) -> None:
         for p in range(len(by_proj)):

@@ -1,0 +1,42 @@
+"""Read-ahead gates: temporal prefetch changes no token, holds the budget, and really reads ahead."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bmoe.engine.config import MiB, RunConfig
+from bmoe.engine.session import Session
+from bmoe.errors import ConfigError
+from bmoe.synth.tiny import TinySpec
+from tests.conftest import N_TOKENS, PROMPT
+
+SPEC = TinySpec(n_embd=256, n_ff=256, n_layer=4)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("lanes", [1, 4])
+def test_temporal_prefetch_equals_resident_and_holds_the_budget(tiny, overlap: bool, lanes: int) -> None:
+    path = tiny.path(SPEC)
+    budget = 4 * MiB  # five experts of 0.75 MiB: tight enough to evict, room to read ahead
+
+    async def go():  # noqa: ANN202
+        config = RunConfig(n_ctx=256, cache_bytes=budget, prefetch=2, overlap=overlap, io_threads=lanes)
+        with Session.open(path, config) as s:
+            tokens = []
+            async for piece in s.stream(PROMPT, N_TOKENS, stop_at_end=False):
+                tokens.append(piece.token)
+                assert s.resident_cache_bytes <= budget
+            return tokens, s.last_stats
+
+    tokens, stats = asyncio.run(go())
+    assert tokens == tiny.resident_tokens(path)
+    assert stats.prefetch_issued > 0 and stats.speculative_bytes > 0, "the read-ahead fired"
+    assert stats.cache_evictions > 0
+    assert 0 <= stats.prefetch_useful <= stats.prefetch_issued
+
+
+def test_prefetch_needs_a_cache() -> None:
+    with pytest.raises(ConfigError, match="cache budget"):
+        RunConfig(prefetch=1, cache_bytes=0).validate()
