@@ -40,3 +40,25 @@ def test_temporal_prefetch_equals_resident_and_holds_the_budget(tiny, overlap: b
 def test_prefetch_needs_a_cache() -> None:
     with pytest.raises(ConfigError, match="cache budget"):
         RunConfig(prefetch=1, cache_bytes=0).validate()
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "gemma4"])
+def test_predictive_prefetch_equals_resident_and_scores_itself(tiny, arch: str) -> None:
+    path = tiny.path(TinySpec(arch=arch, n_embd=256, n_ff=256, n_layer=4))
+    budget = 4 * MiB
+
+    async def go():  # noqa: ANN202
+        config = RunConfig(n_ctx=256, cache_bytes=budget, predict_prefetch=True, overlap=arch == "gemma4")
+        with Session.open(path, config) as s:
+            tokens = []
+            async for piece in s.stream(PROMPT, N_TOKENS, stop_at_end=False):
+                tokens.append(piece.token)
+                assert s.resident_cache_bytes <= budget
+            return tokens, s.last_stats
+
+    tokens, stats = asyncio.run(go())
+    assert tokens == tiny.resident_tokens(path)
+    assert stats.prefetch_issued > 0
+    accuracy = stats.predict_accuracy_pct
+    assert accuracy and set(accuracy) == {1, 2, 3}, "every layer after the first is predicted and scored"
+    assert all(0 <= v <= 100 for v in accuracy.values())

@@ -21,7 +21,9 @@ import numpy as np
 
 from bmoe.engine.ggml import NAME_OFFSET, SRC_OFFSET, GgmlTensor
 from bmoe.errors import BmoeError, DecodeAbortedError
+from bmoe.pipeline.events import PHASE_DECODE
 from bmoe.pipeline.gate import RoutingGate
+from bmoe.stages.predict import Predictor
 
 _u64 = ctypes.c_uint64.from_address
 _ptr = ctypes.c_void_p.from_address
@@ -30,6 +32,9 @@ _TOPK = int.from_bytes(b"topk-", "little")
 _MASK5 = (1 << 40) - 1
 _TOPK_NAME_LEN = len("ffn_moe_topk-")
 _WEIGHTS = int.from_bytes(b"weights-", "little")
+_LOGITS = int.from_bytes(b"logits-", "little")
+_MASK7 = (1 << 56) - 1
+_LOGITS_NAME_LEN = len("ffn_moe_logits-")
 _WEIGHTS_NAME_LEN = len("ffn_moe_weights-")
 
 
@@ -88,6 +93,8 @@ class EvalCallback:
         self.weights_tap: Callable[[int, np.ndarray], None] | None = None
         # Overlap only: node name -> (layer, projection to wait for once that node has run).
         self.wait_after: dict[bytes, tuple[int, int]] | None = None
+        # Predictive read-ahead only: predicts the next layer's experts from a router input.
+        self.predictor: Predictor | None = None
 
     @property
     def error(self) -> BaseException | None:
@@ -111,6 +118,8 @@ class EvalCallback:
             if (tail & _MASK5) != _TOPK:
                 if tail == _WEIGHTS and self.weights_tap is not None:
                     return self._on_weights(node, ask)
+                if (tail & _MASK7) == _LOGITS and self.predictor is not None:
+                    return self._on_logits(node, ask)
                 if self.wait_after is not None:
                     return self._on_matmul(node, ask)
                 return False
@@ -123,6 +132,22 @@ class EvalCallback:
         except BaseException as exc:  # noqa: BLE001 - ctypes would swallow it; record and abort
             self._record(exc)
             return False
+
+    def _on_logits(self, node: int, ask: bool) -> bool:
+        if self.gate.phase != PHASE_DECODE:
+            return False
+        t = GgmlTensor.from_address(node)
+        if not t.name[_LOGITS_NAME_LEN:].isdigit():
+            return False
+        if ask:
+            return True
+        x = GgmlTensor.from_address(t.src[1])  # the router input: F32 [n_embd, n_tokens]
+        n_embd, rows = x.ne[0], x.ne[1]
+        last = np.ndarray((n_embd,), np.float32, (ctypes.c_char * (n_embd * 4)).from_address(x.data + (rows - 1) * x.nb[1]))
+        predicted = self.predictor.predict(int(t.name[_LOGITS_NAME_LEN:]), last)  # type: ignore[union-attr]
+        if predicted is not None:
+            self.gate.read_ahead(predicted[0], tuple(predicted[1].tolist()))
+        return True
 
     def _on_matmul(self, node: int, ask: bool) -> bool:
         wait = self.wait_after.get(GgmlTensor.from_address(node).name)  # type: ignore[union-attr]

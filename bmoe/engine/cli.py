@@ -65,6 +65,8 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
                    help="read later projections while earlier expert matmuls compute (lossless)")
     p.add_argument("--prefetch", type=int, default=0, metavar="K",
                    help="read the previous token's experts of the next K layers ahead (needs a cache)")
+    p.add_argument("--predict-prefetch", action="store_true",
+                   help="predict the next layer's experts with its router and read them ahead (needs a cache)")
     p.add_argument("-t", "--threads", type=int, default=None, help="compute threads")
     p.add_argument("-c", "--ctx", type=int, default=2048, help="context length")
 
@@ -148,6 +150,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
         route_trace=args.route_trace,
         overlap=args.overlap,
         prefetch=args.prefetch,
+        predict_prefetch=args.predict_prefetch,
     ).validate()
 
 

@@ -35,6 +35,8 @@ class RunConfig:
     # Temporal read-ahead: while layer l computes, read the experts the previous token used at
     # layers l+1..l+K into the cache (needs a cache budget).
     prefetch: int = 0
+    # Predictive read-ahead: the next layer's router applied to this layer's router input.
+    predict_prefetch: bool = False
     # Write every routing decision to this file (route_trace v2; streamed runs only).
     route_trace: str | None = None
     # Resident mode only: install the eval callback that filters nodes but streams nothing, to
@@ -68,6 +70,8 @@ class RunConfig:
             raise ConfigError(f"prefetch must be 0..64 layers ahead, got {self.prefetch}")
         if self.prefetch and (self.mode != "stream" or self.cache_bytes == 0):
             raise ConfigError("prefetch reads ahead into the expert cache: stream with a cache budget")
+        if self.predict_prefetch and (self.mode != "stream" or self.cache_bytes == 0):
+            raise ConfigError("predict_prefetch reads ahead into the expert cache: stream with a cache budget")
         if self.overlap and self.mode != "stream":
             raise ConfigError("overlap applies to streamed runs: use mode='stream'")
         if self.eval_filter and self.mode != "resident":

@@ -42,6 +42,7 @@ from bmoe.pipeline.gate import RoutingGate
 from bmoe.pipeline.hooks import Hooks
 from bmoe.stages.compute import ComputeStage
 from bmoe.stages.dense import AnonDense
+from bmoe.stages.predict import Predictor, load_routers
 
 _EXPERT_TENSOR = re.compile(rb"^blk\.(\d+)\.([a-z_]+_exps)\.weight$")
 
@@ -121,6 +122,9 @@ class Session:
                 streamer = Streamer.live(layout, tensors, config, callback.gate, hooks or Hooks())
                 if config.overlap:
                     _plan_overlap(model, callback, layout, tensors, streamer)
+                if config.predict_prefetch:
+                    predictor = Predictor(load_routers(layout), layout.n_expert_used)
+                    callback.predictor = streamer.prefetch.predictor = predictor
                 callback.streaming = True
                 if config.route_trace is not None:
                     recorder = RouteRecorder(config.route_trace, layout, _run_line(config, streamer))
@@ -251,6 +255,9 @@ class Session:
         if end is not None and start is not None:
             stats.add_counters(end - start)
             stats.resident_cache_bytes = self.resident_cache_bytes
+            predictor = self._streaming.prefetch.predictor if self._streaming else None
+            if predictor is not None:
+                stats.predict_accuracy_pct = predictor.accuracy_pct()
 
     async def _measured_decode(self, batches: list[list[int]], step: int, phase: int, position: int) -> _Measure:
         """Decode calls with their measurement; ``position`` is the route trace's step of the first

@@ -53,6 +53,9 @@ class GenerationStats:
     speculative_bytes: int | None = None  # of bytes_read, read ahead of need (prefetch)
     prefetch_issued: int | None = None  # experts read ahead into the cache
     prefetch_useful: int | None = None  # of those, later routed while still cached
+    # Predictive read-ahead: per MoE layer, share of its routed experts the predictor named one
+    # layer early (decode steps of this session so far).
+    predict_accuracy_pct: dict[int, float] | None = None
     open_mode: str | None = None
     open_bytes_read: int | None = None  # /proc/self/io read_bytes across Session.open
 

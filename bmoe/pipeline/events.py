@@ -51,6 +51,17 @@ class RoutingEvent:
 
 
 @dataclass(frozen=True, eq=False)
+class ReadAhead:
+    """Experts a predictor expects ``layer`` to route: read them into the cache if room allows.
+    ``planned`` is set once admissions and evictions are done (the reads go on in the background):
+    the compute thread waits for it, so no page is released while a matmul might be reading it."""
+
+    layer: int
+    experts: tuple[int, ...]
+    planned: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass(frozen=True, eq=False)
 class ReadRequest:
     """Bytes of one ExpertKey to place at ``dest``; ``speculative`` reads yield to real ones."""
 

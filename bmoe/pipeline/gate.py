@@ -19,7 +19,7 @@ import numpy as np
 
 from bmoe.errors import DecodeAbortedError
 from bmoe.pipeline.channel import Channel
-from bmoe.pipeline.events import PHASE_DECODE, RoutingEvent
+from bmoe.pipeline.events import PHASE_DECODE, ReadAhead, RoutingEvent
 
 # Called on the compute thread for every routed layer once it is served, when set (route traces):
 # step, phase, layer, the routed ids (rows x k), the layer's unique experts, which of them were
@@ -127,6 +127,20 @@ class RoutingGate:
             if proj == self.last_proj.get(layer) or self.aborting:
                 del self._open[layer]
                 self._pending.discard(event)
+
+    def read_ahead(self, layer: int, experts: tuple[int, ...]) -> None:
+        """Hand a prediction to the prefetch stage and wait until it is planned (not read): its
+        evictions must happen while this thread computes nothing."""
+        loop, events = self._loop, self._events
+        if loop is None or events is None or self.aborting:
+            return
+        ahead = ReadAhead(layer, experts)
+        t0 = time.perf_counter()
+        loop.call_soon_threadsafe(events.send_nowait, ahead)
+        try:
+            ahead.planned.result()
+        finally:
+            self.blocked_s += time.perf_counter() - t0
 
     def wait_expert(self, layer: int, proj: int, expert: int) -> None:
         """Modelled per-expert overlap: block until one slice of the layer is in place."""

@@ -17,10 +17,11 @@ import numpy as np
 from bmoe.pipeline.cache import ExpertCache, Plan
 from bmoe.errors import ReadError
 from bmoe.pipeline.channel import Channel
-from bmoe.pipeline.events import PHASE_DECODE, ExpertKey, ReadRequest, RoutingEvent
+from bmoe.pipeline.events import PHASE_DECODE, ExpertKey, ReadAhead, ReadRequest, RoutingEvent
 from bmoe.pipeline.hooks import Hooks
 from bmoe.pipeline.readiness import ReadinessBoard
 from bmoe.stages.bind import BindJob, Residency
+from bmoe.stages.predict import Predictor
 
 
 class PrefetchStage:
@@ -48,6 +49,7 @@ class PrefetchStage:
         self.lookahead = 0
         self._last: dict[int, tuple[int, ...]] = {}  # layer -> experts it routed last time
         self._moe_layers: list[int] = []
+        self.predictor: Predictor | None = None  # scored here against the real routing
 
     def account_fast_hits(self) -> None:
         """Plan the layers the routing gate served alone because all were resident, in order: the
@@ -58,6 +60,8 @@ class PrefetchStage:
             routed = experts.tolist()
             self.evict(self._cache.plan(layer, routed).evictions)
             self._last[layer] = tuple(routed)
+            if self.predictor is not None:
+                self.predictor.score(layer, tuple(routed))
 
     def evict(self, entries: tuple[tuple[int, int], ...]) -> None:
         for layer, expert in entries:
@@ -71,11 +75,19 @@ class PrefetchStage:
     ) -> None:
         try:
             async for event in events:
+                if isinstance(event, ReadAhead):
+                    try:
+                        self._speculate([(event.layer, event.experts)], set(), reads)
+                    finally:
+                        event.planned.set_result(None)
+                    continue
                 t0 = time.perf_counter()
                 self.account_fast_hits()
                 plan = self._cache.plan(event.layer, event.experts)
                 self.evict(plan.evictions)
                 self._last[event.layer] = event.experts
+                if self.predictor is not None:
+                    self.predictor.score(event.layer, event.experts)
                 self.cache_s += time.perf_counter() - t0
                 if self._hooks.on_plan:
                     self._hooks.on_plan(event, plan)
@@ -112,8 +124,12 @@ class PrefetchStage:
             self._moe_layers = sorted(self._residency.entry_bytes())
         i = self._moe_layers.index(event.layer)
         ahead = [(il, self._last.get(il, ())) for il in self._moe_layers[i + 1 : i + 1 + self.lookahead]]
-        protect = {(event.layer, e) for e in event.experts}
-        protect |= {(il, e) for il, experts in ahead for e in experts}
+        self._speculate(ahead, {(event.layer, e) for e in event.experts}, reads)
+
+    def _speculate(self, ahead: list[tuple[int, tuple[int, ...]]], protect: set, reads: Channel) -> None:
+        """Admit and read the candidates the budget has room for, never evicting ``protect``
+        (the layer being served) or each other."""
+        protect = protect | {(il, e) for il, experts in ahead for e in experts}
         for il, experts in ahead:
             for e in experts:
                 admitted, evicted = self._cache.speculate((il, e), protect)

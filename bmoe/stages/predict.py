@@ -1,0 +1,71 @@
+"""Predictive read-ahead: guess layer l+1's experts from layer l's FFN input.
+
+The residual stream changes little from one layer to the next, so layer l+1's router applied to
+layer l's router input predicts much of l+1's routing one layer early. The routers
+(``blk.<il>.ffn_gate_inp.weight``) are read once from the file and dequantised with gguf-py; the
+eval callback hands over layer l's router input at ``ffn_moe_logits-<il>`` (its src[1]), the
+prediction runs there on the compute thread (one small matrix-vector product), and the predicted
+experts go to the prefetch stage as read-ahead. Each prediction is scored against the routing the
+layer then really chooses, per layer.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from bmoe.io.layout import ModelLayout
+
+
+def load_routers(layout: ModelLayout) -> dict[int, np.ndarray]:
+    """Per MoE layer, its router as float32 [n_expert, n_embd], read from the file once."""
+    routers = {}
+    fds = [os.open(p, os.O_RDONLY) for p in layout.shards]
+    try:
+        for il in layout.moe_layers:
+            span = layout.tensors.get(f"blk.{il}.ffn_gate_inp.weight")
+            if span is None:
+                continue
+            raw = os.pread(fds[span.shard], span.nbytes, span.offset)
+            flat = dequantize(np.frombuffer(raw, dtype=np.uint8), GGMLQuantizationType(span.ggml_type))
+            routers[il] = np.ascontiguousarray(flat.reshape(span.ne[1], span.ne[0]), dtype=np.float32)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return routers
+
+
+class Predictor:
+    """Predicts and scores; ``predict`` runs on the compute thread, ``score`` on the loop."""
+
+    def __init__(self, routers: dict[int, np.ndarray], k: int) -> None:
+        self._routers = routers
+        self._k = k
+        layers = sorted(routers)
+        self._next = dict(zip(layers, layers[1:]))
+        self._pending: dict[int, np.ndarray] = {}  # layer -> predicted experts, until scored
+        self.correct: dict[int, int] = {}
+        self.total: dict[int, int] = {}
+
+    def predict(self, layer: int, x: np.ndarray) -> tuple[int, np.ndarray] | None:
+        """From layer ``layer``'s router input, the next MoE layer and its predicted top-k."""
+        nxt = self._next.get(layer)
+        if nxt is None:
+            return None
+        scores = self._routers[nxt] @ x
+        top = np.argpartition(scores, -self._k)[-self._k:]
+        self._pending[nxt] = top
+        return nxt, top
+
+    def score(self, layer: int, routed: tuple[int, ...]) -> None:
+        predicted = self._pending.pop(layer, None)
+        if predicted is None:
+            return
+        self.correct[layer] = self.correct.get(layer, 0) + len(set(predicted.tolist()) & set(routed))
+        self.total[layer] = self.total.get(layer, 0) + len(routed)
+
+    def accuracy_pct(self) -> dict[int, float]:
+        return {il: 100.0 * self.correct[il] / n for il, n in sorted(self.total.items()) if n}
