@@ -17,6 +17,7 @@ from pathlib import Path
 from bmoe.bench.harness import add_bench_command
 from bmoe.engine.config import MiB, RunConfig
 from bmoe.errors import BmoeError, ConfigError, first_error
+from bmoe.synth.big import add_synth_command
 
 DEMO_PROMPT = "The quick brown fox jumps over the lazy dog. Streaming experts from disk:"
 
@@ -451,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     _replay_parser(sub)
     _demo_parser(sub)
     add_bench_command(sub)
+    add_synth_command(sub)
     _tiny_parser(sub)
     args = parser.parse_args(argv)
     try:
