@@ -16,6 +16,7 @@ of them into a one-line message and exit status 1.
     +-- SeamError                 llama.cpp does not behave as the seam contract says
     |   +-- SeamMismatchError     the ctypes mirror of ggml_tensor disagrees with libggml
     |   +-- LlamaCallError        a llama.cpp call returned a failure code
+    +-- TraceFormatError          a route trace that cannot be read (names the file and line)
     +-- ReadError                 an expert read failed or came back short
     +-- BudgetError               a memory budget that cannot be honoured
     +-- ConfigError               a RunConfig value out of range
@@ -71,6 +72,10 @@ class SeamMismatchError(SeamError):
 
 
 class LlamaCallError(SeamError):
+    pass
+
+
+class TraceFormatError(BmoeError):
     pass
 
 

@@ -25,7 +25,7 @@ class RunConfig:
     # (sized once at open from available memory, see bmoe.pipeline.budget).
     cache_bytes: int | None = 0
     cache_ceiling_bytes: int | None = None
-    cache_policy: str = "lru"
+    cache_policy: str = "default"  # see bmoe.pipeline.policies; "lru" is the baseline
     # How the model is opened when streaming (bmoe.engine.loader): auto picks the cheapest that works.
     open_mode: str = "auto"
     # Dense weights: stay in llama.cpp's file mapping, or copied into anonymous memory ("anon").

@@ -10,9 +10,11 @@ Format ``route_trace v1`` (the one in ``../shared/traces/``, written by BigMoeOn
     turn,phase,step,layer,slot,expert,weight,residency,expert_bytes
     0,0,0,0,0,49,0.221297,0,3059712
 
-One row per routed slot: ``phase`` 0 = prefill, 1 = decode; ``step`` the token index within the
-turn; ``slot`` the rank within the top-k; ``weight`` the router weight; ``residency`` 1 if the expert
-was already cached in the recorded run, and then ``expert_bytes`` (bytes read for it) is 0.
+One row per routed slot: ``phase`` 0 = prefill, 1 = decode; ``step`` the token index; ``slot``
+the rank within the top-k; ``weight`` the router weight (``nan`` if the recorder had none);
+``residency`` 1 if the expert was already cached in the recorded run, and then ``expert_bytes``
+(the bytes read for it) is 0 (a prompt token's expert that an earlier token of the same call
+already read also reads 0).
 Rows are in execution order: a prefill ubatch runs layer by layer, so its rows are layer-major
 (layer 0 for every prompt token, then layer 1, ...); decode rows are token-major. llama.cpp computes
 only the output rows at the last layer, so prefill's last layer usually holds only the last token.
@@ -28,9 +30,10 @@ carrying what a timed replay needs. The rows and the v1 header lines are unchang
     turn,phase,...               (as v1)
     <the rows of one (turn, phase, step, layer)>
     # timing turn=<t> phase=<p> step=<s> layer=<il> compute_us=<float> [read_us=<float>]
-                                 optional, after the rows it times: the layer's compute time (the
-                                 expert matmuls and everything up to the next layer's routing) and
-                                 optionally the wall time spent waiting for its reads; a replay
+                                 optional, after the rows it times, one per layer per llama_decode
+                                 call (``step`` = the call's first token): the layer's compute time
+                                 (its expert matmuls and everything up to the next layer's routing)
+                                 and optionally the wall time spent waiting for its reads; a replay
                                  models the overlap of reads and compute from these
     # summary key=value ...      optional, last: run totals (free-form)
 
@@ -50,16 +53,12 @@ from typing import NamedTuple, TextIO
 
 import numpy as np
 
-from bmoe.errors import BmoeError
+from bmoe.errors import TraceFormatError
 
 COLUMNS = ("turn", "phase", "step", "layer", "slot", "expert", "weight", "residency", "expert_bytes")
 HEADER_V1 = "# route_trace v1"
 HEADER_V2 = "# route_trace v2"
 _MODEL_KEYS = ("model", "arch", "n_layer", "n_expert", "n_expert_used")
-
-
-class TraceFormatError(BmoeError):
-    """A route trace that cannot be read as given (the message names the file and line)."""
 
 
 class Access(NamedTuple):
@@ -75,9 +74,9 @@ class Access(NamedTuple):
 class LayerEvent(NamedTuple):
     """What the engine's cache sees: one layer of one llama_decode call (a whole ubatch in prefill).
 
-    ``experts`` are unique, in the order of their last use within the ubatch; ``ends_call`` marks
-    the last layer of the call, after which the engine trims the cache; ``decode`` says whether the
-    event belongs to the decode phase; ``step`` is the first token of the call.
+    ``experts`` are unique (sorted, as the eval callback hands them over, or in recorded order);
+    ``ends_call`` marks the last layer of the call, after which the engine trims the cache;
+    ``step`` is the first token of the call.
     """
 
     turn: int
@@ -159,15 +158,17 @@ class RouteTrace:
             yield Access(turn[a], phase[a], step[a], layer[a], tuple(experts[a:b]))
 
     def layer_events(
-        self, ubatch: int = 512, prefill: str = "batch", order: str = "engine"
+        self, ubatch: int | None = None, prefill: str = "batch", order: str = "engine"
     ) -> list[LayerEvent]:
         """The cache's view of the run, as the engine produces it.
 
-        ``prefill="batch"`` (the engine): a prompt is evaluated in llama_decode calls of up to
-        ``ubatch`` tokens; each call routes every layer once for all its tokens, so the cache sees
-        one event per layer with the union of the experts, and is trimmed after the call.
-        ``prefill="tokens"``: one event per recorded (token, layer), in recorded order, and a trim
-        after each ubatch (a finer-grained view, for comparison). Decode: one call per token.
+        ``prefill="batch"`` (the engine): each llama_decode call routes every layer once for all
+        its tokens, so the cache sees one event per layer with the union of the experts, and is
+        trimmed after the call. The calls of a prompt are read from the rows (a call's rows are
+        layer-major, so the layer going back down starts the next call), or, with ``ubatch``, the
+        prompt is re-cut into calls of that many tokens. ``prefill="tokens"``: one event per
+        recorded (token, layer), in recorded order, and a trim after each call (a finer-grained
+        view, for comparison). Decode: one call per token.
         ``order="engine"``: each event's experts sorted by id, as the eval callback hands them over
         (``np.unique``); ``order="recorded"``: slot order in decode, last use in prefill (what
         BigMoeOnEdge's ``route-replay.py`` does). Only the order in which a policy hears of the
@@ -177,21 +178,43 @@ class RouteTrace:
             raise ValueError(f"prefill must be 'batch' or 'tokens', got {prefill!r}")
         if order not in ("engine", "recorded"):
             raise ValueError(f"order must be 'engine' or 'recorded', got {order!r}")
-        if ubatch < 1:
+        if ubatch is not None and ubatch < 1:
             raise ValueError(f"ubatch must be >= 1, got {ubatch}")
         calls: list[list[Access]] = []  # one list per llama_decode call
+        prompt: list[Access] = []  # the current turn's prefill, cut into calls when it ends
+
+        def flush_prompt() -> None:
+            if not prompt:
+                return
+            if ubatch is None:
+                calls.append([prompt[0]])
+                for prev, a in zip(prompt, prompt[1:]):
+                    if a.layer < prev.layer:
+                        calls.append([])
+                    calls[-1].append(a)
+            else:
+                start = prompt[0].step
+                cut: dict[int, list[Access]] = {}
+                for a in prompt:  # execution order kept within each call
+                    cut.setdefault((a.step - start) // ubatch, []).append(a)
+                calls.extend(cut[i] for i in sorted(cut))
+            prompt.clear()
+
         call_key: tuple[int, int, int] | None = None
-        first_step: dict[int, int] = {}
         for acc in self.accesses():
             if acc.phase == 0:
-                start = first_step.setdefault(acc.turn, acc.step)
-                key = (acc.turn, 0, (acc.step - start) // ubatch)
-            else:
-                key = (acc.turn, acc.phase, acc.step)
+                if prompt and prompt[-1].turn != acc.turn:
+                    flush_prompt()
+                prompt.append(acc)
+                call_key = None
+                continue
+            flush_prompt()
+            key = (acc.turn, acc.phase, acc.step)
             if key != call_key:
                 calls.append([])
                 call_key = key
             calls[-1].append(acc)
+        flush_prompt()
         events: list[LayerEvent] = []
         for call in calls:
             head = call[0]
@@ -356,9 +379,9 @@ def _parse_rows(name: str, body: list[str], body_lineno: list[int]) -> list[np.n
             if frac.size:
                 i = int(frac[0])
                 raise _fail(name, body_lineno[i], f"{COLUMNS[c]}={body[i].split(',')[c]!r} is not an integer")
-    bad_w = np.flatnonzero(~np.isfinite(cols[6]))
+    bad_w = np.flatnonzero(np.isinf(cols[6]))  # nan is allowed: "not recorded"
     if bad_w.size:
-        raise _fail(name, body_lineno[int(bad_w[0])], "weight is not a finite number")
+        raise _fail(name, body_lineno[int(bad_w[0])], "weight is infinite")
     return cols
 
 
@@ -426,13 +449,20 @@ class TraceWriter:
                 raise ValueError(f"{label} must be a non-empty word, got {value!r}")
         self.version = version
         self._owns = not hasattr(path, "write")
-        self._f: TextIO = open(path, "w", encoding="utf-8", newline="\n") if self._owns else path  # type: ignore[arg-type,assignment]
+        if self._owns:
+            self._f: TextIO = open(path, "w", encoding="utf-8", newline="\n")  # type: ignore[arg-type]
+        else:
+            self._f = path  # type: ignore[assignment]
         dense = dense_bytes or {}
         head = [
             HEADER_V2 if version == 2 else HEADER_V1,
-            f"# model={model} arch={arch} n_layer={n_layer} n_expert={n_expert} n_expert_used={n_expert_used}",
+            f"# model={model} arch={arch} n_layer={n_layer} n_expert={n_expert}"
+            f" n_expert_used={n_expert_used}",
         ]
-        head += [f"# layer={il} expert_bytes={expert_bytes[il]} dense_bytes={dense.get(il, 0)}" for il in sorted(expert_bytes)]
+        head += [
+            f"# layer={il} expert_bytes={expert_bytes[il]} dense_bytes={dense.get(il, 0)}"
+            for il in sorted(expert_bytes)
+        ]
         if run:
             head.append("# run " + _kv(run))
         head.append(",".join(COLUMNS))
@@ -472,7 +502,8 @@ class TraceWriter:
             raise ValueError("timing lines need route_trace v2")
         extra = "" if read_us is None else f" read_us={read_us:.1f}"
         self._f.write(
-            f"# timing turn={turn} phase={phase} step={step} layer={layer} compute_us={compute_us:.1f}{extra}\n"
+            f"# timing turn={turn} phase={phase} step={step} layer={layer}"
+            f" compute_us={compute_us:.1f}{extra}\n"
         )
 
     def summary(self, **values: object) -> None:
@@ -494,12 +525,12 @@ class TraceWriter:
 
 
 def _kv(values: Mapping[str, object]) -> str:
+    """``key=value`` words; whitespace inside a value becomes ``_`` so the line stays parseable."""
     parts = []
     for k, v in values.items():
-        text = str(v)
-        if not k or any(c.isspace() or c == "=" for c in k) or any(c.isspace() for c in text):
-            raise ValueError(f"{k}={text!r}: keys and values must be single words")
-        parts.append(f"{k}={text}")
+        if not k or any(c.isspace() or c == "=" for c in k):
+            raise ValueError(f"{k!r}: a key must be one word without '='")
+        parts.append(f"{k}={'_'.join(str(v).split()) or '_'}")
     return " ".join(parts)
 
 

@@ -1,0 +1,197 @@
+"""Cache policies replayed on the shared route trace, and the policies alone on small cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from bmoe.errors import BudgetError
+from bmoe.pipeline.cache import POLICIES as CACHE_POLICIES
+from bmoe.pipeline.cache import ExpertCache, LruPolicy, make_policy
+from bmoe.pipeline.policies import (
+    POLICIES,
+    ExpectedReusePolicy,
+    OptPolicy,
+    SimResult,
+    simulate,
+)
+from bmoe.pipeline.trace import RouteTrace, default_trace_path, read_trace
+
+MiB = 1 << 20
+SWEEP = (250, 500, 1000, 2000, 4000, 6000)  # MiB
+SHARED = default_trace_path()
+needs_shared = pytest.mark.skipif(not SHARED.exists(), reason=f"shared trace not found at {SHARED}")
+
+
+class Replays:
+    """Each (policy, budget) replayed once per session: the suite stays fast."""
+
+    def __init__(self, trace: RouteTrace) -> None:
+        self.trace = trace
+        self.events = trace.layer_events()
+        self._done: dict[tuple[str, int], SimResult] = {}
+
+    def __call__(self, policy: str, mib: float) -> SimResult:
+        key = (policy, int(mib * MiB))
+        if key not in self._done:
+            self._done[key] = simulate(self.trace, policy, key[1], events=self.events)
+        return self._done[key]
+
+
+@pytest.fixture(scope="module")
+def replay() -> Replays:
+    return Replays(read_trace(SHARED))
+
+
+@needs_shared
+def test_lru_reproduces_the_quoted_curve(replay: Replays) -> None:
+    # decode hit %: 37.7 / 56.6 / 80.3 (the project quotes 56.4 at 2000 MiB; BigMoeOnEdge's own
+    # replay script gives 56.5 with slot order), and nothing below one token's working set
+    assert round(replay("lru", 1000).decode_hit_pct, 1) == 37.7
+    assert round(replay("lru", 2000).decode_hit_pct, 1) == 56.6
+    assert round(replay("lru", 4000).decode_hit_pct, 1) == 80.3
+    assert replay("lru", 500).decode_hit_pct == 0.0
+    # the recording run's own cumulative figure (prefill included) at its 4000 MiB
+    assert round(replay("lru", 4000).hit_pct, 1) == 74.9
+
+
+@needs_shared
+def test_lru_replays_the_recorded_residency(replay: Replays) -> None:
+    """At the recording's budget, LRU marks the same accesses resident as the real run did."""
+    t = replay.trace
+    cache = ExpertCache(4000 * MiB, t.expert_bytes, LruPolicy())
+    hit: dict[tuple[int, int, int], bool] = {}
+    for ev in t.layer_events(prefill="tokens", order="recorded"):
+        plan = cache.plan(ev.layer, ev.experts)
+        if ev.phase == 1:
+            hit.update(((ev.step, ev.layer, e), True) for e in plan.hits)
+            hit.update(((ev.step, ev.layer, e), False) for e in plan.misses)
+        if ev.ends_call:
+            cache.trim()
+    d = t.phase == 1
+    recorded = zip(t.step[d].tolist(), t.layer[d].tolist(), t.expert[d].tolist(), t.residency[d].tolist())
+    mismatches = sum(hit[(s, il, e)] != bool(r) for s, il, e, r in recorded)
+    assert mismatches <= 3  # of 36864
+
+
+@needs_shared
+def test_opt_is_the_ceiling(replay: Replays) -> None:
+    for mib in SWEEP:
+        opt = replay("opt", mib).decode_hit_pct
+        assert opt >= replay("lru", mib).decode_hit_pct
+        assert opt >= replay("default", mib).decode_hit_pct
+    assert replay("opt", 500).decode_hit_pct > 40  # no cliff for the optimum
+
+
+@needs_shared
+def test_default_fixes_the_cliff_and_never_loses_to_lru(replay: Replays) -> None:
+    assert replay("default", 500).decode_hit_pct >= 25.0
+    for mib in SWEEP:
+        assert replay("default", mib).decode_hit_pct >= replay("lru", mib).decode_hit_pct - 1.0, mib
+
+
+@needs_shared
+def test_default_closes_a_quarter_of_the_gap(replay: Replays) -> None:
+    for mib in (1000, 2000, 4000):
+        lru, opt = replay("lru", mib).decode_hit_pct, replay("opt", mib).decode_hit_pct
+        assert replay("default", mib).decode_hit_pct >= lru + 0.25 * (opt - lru), mib
+
+
+@needs_shared
+def test_the_budget_holds_after_every_step(replay: Replays) -> None:
+    for name in ("lru", "default", "opt"):
+        for mib in SWEEP:
+            r = replay(name, mib)
+            assert r.max_resident_bytes <= r.budget_bytes
+            assert r.hits + r.misses == replay("lru", mib).hits + replay("lru", mib).misses
+
+
+@needs_shared
+def test_simulate_is_deterministic(replay: Replays) -> None:
+    again = simulate(replay.trace, "default", 1000 * MiB)  # events rebuilt from the trace
+    assert again == replay("default", 1000)
+
+
+# -- the policies alone ------------------------------------------------------------------------
+
+
+def test_registry() -> None:
+    assert {"lru", "opt", "reuse", "default"} <= set(POLICIES)
+    assert CACHE_POLICIES is POLICIES
+    assert isinstance(make_policy("default"), ExpectedReusePolicy)
+    assert make_policy("default").name == "reuse"
+    with pytest.raises(BudgetError, match="offline"):
+        make_policy("opt")
+    with pytest.raises(BudgetError, match="unknown cache policy"):
+        make_policy("nope")
+
+
+def test_opt_needs_the_exact_future() -> None:
+    cache = ExpertCache(1000, {0: 100}, OptPolicy([(0, (1, 2))]))
+    cache.plan(0, (1, 2))
+    with pytest.raises(BudgetError, match="out of step"):
+        cache.plan(0, (3,))
+
+
+def test_opt_evicts_the_furthest_next_use() -> None:
+    future = [(0, (1,)), (0, (2,)), (0, (3,)), (0, (1,)), (0, (2,))]
+    cache = ExpertCache(200, {0: 100}, OptPolicy(future))
+    for layer, experts in future[:2]:
+        cache.plan(layer, experts)
+    assert cache.plan(0, (3,)).evictions == ((0, 2),)  # 1 is needed before 2
+
+
+ENTRY = {0: 100, 1: 100, 2: 100}
+
+
+@pytest.mark.parametrize("name", ["lru", "default"])
+def test_cache_contract_holds_with_each_policy(name: str) -> None:
+    c = ExpertCache(300, ENTRY, make_policy(name))
+    assert c.plan(0, (1, 2)).misses == (1, 2)
+    c.plan(1, (1,))
+    plan = c.plan(2, (5, 6))  # needs room: never evicts the layer being served
+    assert all(layer != 2 for layer, _ in plan.evictions) and c.resident_bytes == 300
+    plan = c.plan(0, (1, 2, 3, 4))  # bigger than the budget: served, then trimmed
+    assert set(plan.hits) | set(plan.misses) == {1, 2, 3, 4}
+    assert c.resident_bytes == 400
+    c.trim()
+    assert c.resident_bytes <= 300
+    for entry in [(0, e) for e in range(8)]:
+        c.discard(entry)
+    assert c.resident_bytes == sum(100 for il in ENTRY for e in range(8) if c.is_resident(il, e))
+    before = c.evictions
+    assert len(c.set_budget(0)) == c.evictions - before
+    assert c.resident_bytes == 0
+
+
+def test_reuse_keeps_a_hot_set_below_one_token() -> None:
+    """Two layers, each routing {hot} + one cold expert per token; room for 3 entries (< 4).
+
+    LRU evicts each layer's entries just before the layer comes round again and hits nothing;
+    the default keeps the hot experts."""
+    budgets = {}
+    for name in ("lru", "default"):
+        c = ExpertCache(300, {0: 100, 1: 100}, make_policy(name))
+        hits = 0
+        for t in range(60):
+            for layer in (0, 1):
+                hits += len(c.plan(layer, (0, 10 + t)).hits)
+            c.trim()
+        budgets[name] = hits
+    assert budgets["lru"] == 0
+    assert budgets["default"] >= 50
+
+
+def test_reuse_learns_its_memory_from_the_budget() -> None:
+    small, big = ExpectedReusePolicy(), ExpectedReusePolicy()
+    eb = {il: 100 for il in range(4)}
+    cs, cb = ExpertCache(900, eb, small), ExpertCache(6000, eb, big)
+    for t in range(40):
+        for il in range(4):
+            experts = (t % 3, 3 + t % 7)
+            cs.plan(il, experts)
+            cb.plan(il, experts)
+        cs.trim()
+        cb.trim()
+    assert small.memory_steps is not None and big.memory_steps is not None
+    assert small.memory_steps < big.memory_steps
+    assert small.alpha > big.alpha
