@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 from bmoe.engine.config import MiB, RunConfig
 from bmoe.engine.loader import evict_file_cache
 from bmoe.engine.session import Session
+from bmoe.metrics.tokens import peak_rss_bytes
 from bmoe.synth.tiny import TinySpec, write_tiny
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and the experts stream from disk."
@@ -48,7 +48,7 @@ def child(path: Path, cache_bytes: str, n: int) -> None:
     mode = "resident" if cache_bytes == "None" else "stream"
     config = RunConfig(mode=mode, cache_bytes=0 if mode == "resident" else int(cache_bytes))
     r = asyncio.run(generate(path, config, n))
-    r["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    r["peak_rss"] = peak_rss_bytes()
     print(json.dumps(r))
 
 
@@ -105,7 +105,7 @@ def main() -> None:
         "how": "one process; runs in the order listed; tok/s = decode tokens after the first over "
                "summed decode calls; hit % = hits / (hits + experts read) over the whole generation "
                "(prefill included); open bytes = /proc/self/io read_bytes across Session.open after "
-               "posix_fadvise(DONTNEED) of the file; peak RSS = ru_maxrss of a fresh process per run "
+               "posix_fadvise(DONTNEED) of the file; peak RSS = VmHWM of a fresh process per run "
                "(it includes the interpreter, numpy and llama.cpp's own buffers: KV, compute)",
     }, indent=1))
 

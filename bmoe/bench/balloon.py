@@ -140,8 +140,9 @@ class Balloon:
 
     def __init__(self, lock_bytes: int, *, timeout_s: float | None = None) -> None:
         self.lock_bytes = lock_bytes
-        # mlock faults in and zeroes every page: allow ~1 s per GiB on a slow machine, plus a floor.
-        self.timeout_s = timeout_s if timeout_s is not None else 30.0 + lock_bytes / GiB
+        # mlock faults in and zeroes every page: 2.5 s per GiB measured on this project's VMs;
+        # allow twice that, plus a floor.
+        self.timeout_s = timeout_s if timeout_s is not None else 30.0 + 5.0 * lock_bytes / GiB
         self._proc: subprocess.Popen[bytes] | None = None
         self.inflate_s: float | None = None
 

@@ -65,6 +65,7 @@ from bmoe.bench.balloon import (
     plan_balloon,
 )
 from bmoe.errors import BmoeError, ConfigError
+from bmoe.metrics.tokens import peak_rss_bytes
 from bmoe.pipeline.budget import read_meminfo
 
 MiB = 1 << 20
@@ -471,7 +472,7 @@ def child_main(spec_path: str, result_path: str) -> int:
             out = _mmap_child(spec)
         else:
             out = asyncio.run(_bmoe_child(spec))
-        out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        out["peak_rss_bytes"] = peak_rss_bytes()  # VmHWM: ru_maxrss would carry the parent's peak
         code = 0
     except BmoeError as e:
         out, code = {"error": f"{type(e).__name__}: {e}"}, 1

@@ -88,7 +88,7 @@ class EvalCallback:
         self.c_abort = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p)(self._abort)
         self.gate = gate
         self.streaming = False
-        self.capture: Capture | None = None
+        self.capture: Capture | Consumption | None = None  # warm-up visitors
         # Route traces only: the routed experts' router probabilities, per layer (tokens x k).
         self.weights_tap: Callable[[int, np.ndarray], None] | None = None
         # Overlap only: node name -> (layer, projection to wait for once that node has run).

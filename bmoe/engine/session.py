@@ -1,8 +1,8 @@
 """Session: open a model once, generate many times. The composition root of bmoe.
 
-Open validates the file in Python, loads it through the seam, captures the expert tensors with a
-one-token warm-up, and (when streaming) rebinds them to reserved regions that the pipeline fills on
-demand. ``stream`` is the async core every front uses: it owns one generation, yields text pieces
+Open validates the file in Python, opens it the cheapest way that works here, finds the expert
+tensors (from the cheap open's tensor callback, or a one-token warm-up), and when streaming
+rebinds them to reserved regions that the pipeline fills on demand. ``stream`` is the async core every front uses: it owns one generation, yields text pieces
 with their token ids, and leaves the session usable when the consumer cancels.
 """
 
@@ -368,12 +368,7 @@ def _plan_overlap(
         suffixes = [et.suffix for et in layout.layer_experts(layer)]
         proj_of[addr] = (layer, suffixes.index(suffix))
     found = Consumption(proj_of)
-    callback.capture = found
-    try:
-        model.decode(model.tokenize("a", add_special=False)[:1] or [0])
-    finally:
-        callback.capture = None
-        model.clear_memory()
+    _warm_up(model, callback, found)
     wait_after: dict[bytes, tuple[int, int]] = {}
     gate = callback.gate
     gate.first_proj, gate.last_proj = {}, {}
@@ -406,16 +401,21 @@ def _anon_dense(layout: ModelLayout, opened: OpenedModel, model: LlamaModel, con
     return dense
 
 
-def _capture_experts(model: LlamaModel, callback: EvalCallback) -> dict[tuple[int, str], int]:
-    """One-token warm-up decode that records each expert tensor the graph uses, then clears the KV.
-    Needed after an mmap open, where no tensor callback told us the addresses."""
-    capture = Capture(lambda name: _EXPERT_TENSOR.match(name) is not None)
-    callback.capture = capture
+def _warm_up(model: LlamaModel, callback: EvalCallback, visitor: Capture | Consumption) -> None:
+    """One-token decode with ``visitor`` shown every MoE node of the graph, then the KV cleared."""
+    callback.capture = visitor
     try:
         model.decode(model.tokenize("a", add_special=False)[:1] or [0])
     finally:
         callback.capture = None
         model.clear_memory()
+
+
+def _capture_experts(model: LlamaModel, callback: EvalCallback) -> dict[tuple[int, str], int]:
+    """One-token warm-up decode that records each expert tensor the graph uses, then clears the KV.
+    Needed after an mmap open, where no tensor callback told us the addresses."""
+    capture = Capture(lambda name: _EXPERT_TENSOR.match(name) is not None)
+    _warm_up(model, callback, capture)
     if not capture.tensors:
         raise SeamMismatchError("the warm-up decode saw no expert matmul: node names changed?")
     out = {}

@@ -22,6 +22,7 @@ _PAGE = max(mmap.PAGESIZE, DIRECT_ALIGN)
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
+_MADV_NOHUGEPAGE = mmap.MADV_NOHUGEPAGE
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
@@ -64,6 +65,9 @@ class Region:
             raise BudgetError(f"cannot reserve {self._length} bytes of address space: {os.strerror(err)}")
         self._start: int | None = start
         self.base: int = start + _PAGE + head
+        # With transparent huge pages on, one expert read would fault in 2 MiB pages that an
+        # eviction cannot give back piecewise: resident memory would creep up to the whole bank.
+        _libc.madvise(start, self._length, _MADV_NOHUGEPAGE)
 
     @property
     def closed(self) -> bool:

@@ -56,3 +56,13 @@ class ProcessSample:
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * _PAGE
+
+
+def peak_rss_bytes() -> int:
+    """This process's resident high-water mark (VmHWM). Not ``ru_maxrss``: Linux carries that
+    over fork and exec, so a child would report its parent's peak."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no VmHWM in /proc/self/status")
