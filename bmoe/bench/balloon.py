@@ -212,10 +212,30 @@ class Balloon:
         self.release()
 
 
+def _set_oom_score_adj(value: int) -> None:
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write(str(value))
+    except OSError:
+        pass  # lowering needs CAP_SYS_RESOURCE; raising is always allowed
+
+
+def offer_to_oom_killer() -> None:
+    """A run under test goes first when it outgrows the limit: the kernel must kill that run
+    (a failed row), not the balloon (which would lift the limit for the runs after it)."""
+    _set_oom_score_adj(1000)
+
+
+def _spare_from_oom_killer() -> None:
+    """The balloon is the machine being emulated, not a contender (where the sandbox allows)."""
+    _set_oom_score_adj(-1000)
+
+
 def _hold(nbytes: int, parent: int, wait: Callable[[], bool]) -> int:
     die_with_parent()
     if os.getppid() != parent:  # the parent died before the death signal was armed
         return 1
+    _spare_from_oom_killer()
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

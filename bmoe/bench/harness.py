@@ -463,9 +463,10 @@ def _mmap_child(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def child_main(spec_path: str, result_path: str) -> int:
-    from bmoe.bench.balloon import die_with_parent
+    from bmoe.bench.balloon import die_with_parent, offer_to_oom_killer
 
     die_with_parent()
+    offer_to_oom_killer()
     spec = json.loads(Path(spec_path).read_text())
     try:
         if spec["kind"] == "mmap":
