@@ -16,7 +16,13 @@ from bmoe.engine.config import RunConfig
 from bmoe.engine.session import Session
 from bmoe.errors import ConfigError
 from bmoe.io.layout import read_index
-from bmoe.synth.big import SynthSpec, add_synth_command, padded_vocab, planned, write_synth
+from bmoe.synth.big import (
+    SynthSpec,
+    add_synth_command,
+    padded_vocab,
+    planned,
+    write_synth,
+)
 from bmoe.synth.shapes import SHAPES, MoeShape, get_shape
 from bmoe.synth.vocab import CONTROL_IDS
 

@@ -23,7 +23,13 @@ from types import MappingProxyType
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from bmoe.engine.recipes import recipe_for
-from bmoe.errors import GGUFVersionError, MissingKeyError, ModelFileError, NotGGUFError, TruncatedFileError
+from bmoe.errors import (
+    GGUFVersionError,
+    MissingKeyError,
+    ModelFileError,
+    NotGGUFError,
+    TruncatedFileError,
+)
 
 # llama.cpp's split naming, "%s-%05d-of-%05d.gguf": %05d widens past 99999, hence \d{5,}.
 _SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5,})-of-(?P<count>\d{5,})\.gguf$")

@@ -14,8 +14,20 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bmoe.engine.recipes import Recipe, recipe_for
-from bmoe.errors import ExpertLayoutError, MissingKeyError, MissingShardError, ModelFileError
-from bmoe.io.layout import ModelLayout, ShardIndex, build_layout, expert_key, read_index, split_shard_paths
+from bmoe.errors import (
+    ExpertLayoutError,
+    MissingKeyError,
+    MissingShardError,
+    ModelFileError,
+)
+from bmoe.io.layout import (
+    ModelLayout,
+    ShardIndex,
+    build_layout,
+    expert_key,
+    read_index,
+    split_shard_paths,
+)
 
 _ARCH_KEY = "general.architecture"
 

@@ -1,6 +1,8 @@
 """Prefetch: the single writer of cache state. For each routing event it plans hits, misses and
-evictions, releases what is evicted, issues the misses as read requests and hands the layer's
-readiness futures to the bind stage.
+evictions, releases what is evicted, issues the misses as read requests (projection by projection,
+in the order the graph consumes them) and hands the layer's readiness futures to the bind stage;
+with read-ahead on, it also admits and reads experts a later layer is expected to route. It only
+evicts while the compute thread waits on it, so no page is released under a running matmul.
 """
 
 from __future__ import annotations
@@ -8,16 +10,22 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
+from collections import deque
 from dataclasses import replace
 from functools import partial
-from collections import deque
 
 import numpy as np
 
-from bmoe.pipeline.cache import ExpertCache, Plan
 from bmoe.errors import ReadError
+from bmoe.pipeline.cache import ExpertCache, Plan
 from bmoe.pipeline.channel import Channel
-from bmoe.pipeline.events import PHASE_DECODE, ExpertKey, ReadAhead, ReadRequest, RoutingEvent
+from bmoe.pipeline.events import (
+    PHASE_DECODE,
+    ExpertKey,
+    ReadAhead,
+    ReadRequest,
+    RoutingEvent,
+)
 from bmoe.pipeline.hooks import Hooks
 from bmoe.pipeline.readiness import ReadinessBoard
 from bmoe.stages.bind import BindJob, Residency
