@@ -433,13 +433,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     print(f"demo model: {model} ({model.stat().st_size / MiB:.0f} MiB). Its weights are random, "
           "so the text is gibberish: what matters is that both runs print the same bytes.\n")
     results = {}
-    for mode in ("resident", "stream"):
-        config = RunConfig(mode=mode).validate()
-        r = _run_async(_generate(model, config, DEMO_PROMPT, args.n_predict, echo=False))
-        results[mode] = r
-        print(f"{mode:>8}: {r['text']!r}")
-        print(f"          {_summary(r)}")
-    same = results["resident"]["tokens"] == results["stream"]["tokens"]
+    runs = {
+        "resident": RunConfig(mode="resident"),
+        "streamed, cache off": RunConfig(mode="stream", cache_bytes=0),
+        "streamed, cache auto": RunConfig(mode="stream", cache_bytes=None),
+    }
+    for name, config in runs.items():
+        r = _run_async(_generate(model, config.validate(), DEMO_PROMPT, args.n_predict, echo=False))
+        results[name] = r
+        print(f"{name}: {r['text']!r}")
+        print(f"    {_summary(r)}")
+    same = all(r["tokens"] == results["resident"]["tokens"] for r in results.values())
     print("\nidentical tokens: " + ("yes" if same else "NO (this is a bug; please report it)"))
     return 0 if same else 1
 
