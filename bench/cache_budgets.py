@@ -22,6 +22,7 @@ from pathlib import Path
 from bmoe.engine.config import MiB, RunConfig
 from bmoe.engine.loader import evict_file_cache
 from bmoe.engine.session import Session
+from bmoe.io.probe import cache_dir
 from bmoe.metrics.tokens import peak_rss_bytes
 from bmoe.synth.tiny import TinySpec, write_tiny
 
@@ -61,8 +62,9 @@ def main() -> None:
     if args.child:
         child(Path(args.child[0]), args.child[1], int(args.child[2]))
         return
-    path = args.model or Path("/var/tmp/bmoe-bench-q8_0-l10-e1024-x64-k4-f512.gguf")
+    path = args.model or cache_dir() / "bench" / "bmoe-bench-q8_0-l10-e1024-x64-k4-f512.gguf"
     if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
         write_tiny(path, DEFAULT)
     with Session.open(path, RunConfig(mode="resident")) as s:
         layout = s.layout

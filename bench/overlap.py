@@ -25,6 +25,7 @@ from pathlib import Path
 from bmoe.engine.config import MiB, RunConfig
 from bmoe.engine.replay import ComputeModel, replay
 from bmoe.engine.session import Session
+from bmoe.io.probe import cache_dir
 from bmoe.io.validate import open_layout
 from bmoe.pipeline.trace import read_trace
 from bmoe.synth.tiny import TinySpec, write_tiny
@@ -46,8 +47,9 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    path = args.model or Path("/var/tmp/bmoe-bench-q8_0-l10-e1024-x64-k4-f512.gguf")
+    path = args.model or cache_dir() / "bench" / "bmoe-bench-q8_0-l10-e1024-x64-k4-f512.gguf"
     if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
         write_tiny(path, DEFAULT)
     layout = open_layout(path)
     budget = int(args.cache_mb * MiB) if args.cache_mb is not None else layout.expert_bytes // 2

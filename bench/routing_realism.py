@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bmoe.io.probe import cache_dir
 from bmoe.pipeline.trace import RouteTrace, default_trace_path, read_trace
 
 TOP = 8  # popularity: share of the top-8 experts
@@ -276,7 +277,7 @@ def main() -> int:
     ap.add_argument("--type", default="q4_0", choices=("q4_0", "q8_0"))
     ap.add_argument("-n", type=int, default=64, help="tokens to generate")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dir", type=Path, default=Path("/var/tmp/bmoe-bench"))
+    ap.add_argument("--dir", type=Path, default=cache_dir() / "bench")
     ap.add_argument("--keep", action="store_true", help="keep the models and traces")
     args = ap.parse_args()
     if args.derive:

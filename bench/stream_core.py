@@ -25,6 +25,7 @@ from pathlib import Path
 from bmoe.engine.config import MiB, RunConfig
 from bmoe.engine.session import Session
 from bmoe.io.direct import ShardReader
+from bmoe.io.probe import cache_dir
 from bmoe.io.regions import Region
 from bmoe.pipeline.hooks import Hooks
 from bmoe.synth.tiny import TinySpec, write_tiny
@@ -81,9 +82,11 @@ def main() -> None:
     if path is None:
         spec = TinySpec(wtype=args.type, n_layer=args.layers, n_embd=args.embd, n_expert=args.experts,
                         n_expert_used=args.used, n_ff=args.ff)
-        path = Path(f"/var/tmp/bmoe-bench-{spec.wtype}-l{spec.n_layer}-e{spec.n_embd}-x{spec.n_expert}"
-                    f"-k{spec.n_expert_used}-f{spec.n_ff}.gguf")
+        name = (f"bmoe-bench-{spec.wtype}-l{spec.n_layer}-e{spec.n_embd}-x{spec.n_expert}"
+                f"-k{spec.n_expert_used}-f{spec.n_ff}.gguf")
+        path = cache_dir() / "bench" / name
         if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
             write_tiny(path, spec)
     runs: dict[str, list[dict]] = {"resident": [], "resident+filter": [], "stream": []}
     configs = {
