@@ -47,3 +47,16 @@ def generate_tokens(path: Path, config: RunConfig, hooks: Hooks | None = None,
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
     return TinyModels(tmp_path_factory.mktemp("tiny"))
+
+
+def greedy_on(model, n: int, prompt: str = PROMPT):  # noqa: ANN001, ANN201
+    """Logits after ``prompt`` and ``n`` greedy tokens, straight on a seam.LlamaModel."""
+    import numpy as np
+
+    model.decode(model.tokenize(prompt))
+    first = model.logits().copy()
+    tokens = []
+    for _ in range(n):
+        tokens.append(int(np.argmax(model.logits())))
+        model.decode([tokens[-1]])
+    return first, tokens

@@ -13,26 +13,21 @@ from bmoe.engine.loader import (
     capture_weights,
     evict_file_cache,
     open_model,
-    resident_bytes,
 )
 from bmoe.engine.seam import LlamaModel
 from bmoe.io.layout import read_layout
+from bmoe.io.regions import resident_bytes_of
 from bmoe.pipeline.gate import RoutingGate
 from bmoe.stages.dense import ALIGN, AnonDense
 from bmoe.synth.tiny import TinySpec, write_tiny
+from tests.conftest import greedy_on
 
 PROMPT = "Routed experts stream from the disk, token after token."
 
 
 def generate(model: LlamaModel, n: int = 16) -> tuple[np.ndarray, list[int]]:
     model.clear_memory()
-    model.decode(model.tokenize(PROMPT))
-    first = model.logits().copy()
-    tokens = []
-    for _ in range(n):
-        tokens.append(int(np.argmax(model.logits())))
-        model.decode([tokens[-1]])
-    return first, tokens
+    return greedy_on(model, n, PROMPT)
 
 
 @pytest.mark.parametrize(("arch", "wtype"), [("qwen3moe", "f32"), ("qwen2moe", "q8_0"), ("gemma4", "q8_0")])
@@ -50,7 +45,7 @@ def test_anon_dense_generates_the_same(tmp_path: Path, arch: str, wtype: str) ->
 
         def mapped_resident() -> int:
             return sum(
-                resident_bytes(data, layout.tensors[GgmlTensor.from_address(a).name.decode()].nbytes)
+                resident_bytes_of(data, layout.tensors[GgmlTensor.from_address(a).name.decode()].nbytes)
                 for a, data in originals.items()
             )
 

@@ -13,24 +13,29 @@ from bmoe.synth.tiny import TinySpec
 from tests.conftest import N_TOKENS, PROMPT
 
 SPEC = TinySpec(n_embd=256, n_ff=256, n_layer=4)
+BUDGET = 4 * MiB  # five experts of 0.75 MiB: tight enough to evict, room to read ahead
+
+
+def stream_within_budget(path, config: RunConfig):  # noqa: ANN001, ANN201
+    """Greedy tokens and stats, checking after every token that the budget held."""
+
+    async def go():  # noqa: ANN202
+        with Session.open(path, config) as s:
+            tokens = []
+            async for piece in s.stream(PROMPT, N_TOKENS, stop_at_end=False):
+                tokens.append(piece.token)
+                assert s.resident_cache_bytes <= config.cache_bytes
+            return tokens, s.last_stats
+
+    return asyncio.run(go())
 
 
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("lanes", [1, 4])
 def test_temporal_prefetch_equals_resident_and_holds_the_budget(tiny, overlap: bool, lanes: int) -> None:
     path = tiny.path(SPEC)
-    budget = 4 * MiB  # five experts of 0.75 MiB: tight enough to evict, room to read ahead
-
-    async def go():  # noqa: ANN202
-        config = RunConfig(n_ctx=256, cache_bytes=budget, prefetch=2, overlap=overlap, io_threads=lanes)
-        with Session.open(path, config) as s:
-            tokens = []
-            async for piece in s.stream(PROMPT, N_TOKENS, stop_at_end=False):
-                tokens.append(piece.token)
-                assert s.resident_cache_bytes <= budget
-            return tokens, s.last_stats
-
-    tokens, stats = asyncio.run(go())
+    config = RunConfig(n_ctx=256, cache_bytes=BUDGET, prefetch=2, overlap=overlap, io_threads=lanes)
+    tokens, stats = stream_within_budget(path, config)
     assert tokens == tiny.resident_tokens(path)
     assert stats.prefetch_issued > 0 and stats.speculative_bytes > 0, "the read-ahead fired"
     assert stats.cache_evictions > 0
@@ -45,18 +50,8 @@ def test_prefetch_needs_a_cache() -> None:
 @pytest.mark.parametrize("arch", ["qwen3moe", "gemma4"])
 def test_predictive_prefetch_equals_resident_and_scores_itself(tiny, arch: str) -> None:
     path = tiny.path(TinySpec(arch=arch, n_embd=256, n_ff=256, n_layer=4))
-    budget = 4 * MiB
-
-    async def go():  # noqa: ANN202
-        config = RunConfig(n_ctx=256, cache_bytes=budget, predict_prefetch=True, overlap=arch == "gemma4")
-        with Session.open(path, config) as s:
-            tokens = []
-            async for piece in s.stream(PROMPT, N_TOKENS, stop_at_end=False):
-                tokens.append(piece.token)
-                assert s.resident_cache_bytes <= budget
-            return tokens, s.last_stats
-
-    tokens, stats = asyncio.run(go())
+    config = RunConfig(n_ctx=256, cache_bytes=BUDGET, predict_prefetch=True, overlap=arch == "gemma4")
+    tokens, stats = stream_within_budget(path, config)
     assert tokens == tiny.resident_tokens(path)
     assert stats.prefetch_issued > 0
     accuracy = stats.predict_accuracy_pct

@@ -23,16 +23,17 @@ from bmoe.engine.loader import (
     open_model,
     read_io_bytes,
     release_file_pages,
-    resident_bytes,
     user_alloc_bytes,
 )
 from bmoe.engine.seam import LlamaModel
 from bmoe.errors import SeamError
 from bmoe.io.layout import ModelLayout, read_layout
+from bmoe.io.regions import resident_bytes_of
 from bmoe.pipeline.gate import RoutingGate
 from bmoe.stages.bind import Residency
 from bmoe.synth import tiny as tiny_mod
 from bmoe.synth.tiny import TinySpec, write_tiny
+from tests.conftest import greedy_on
 
 PROMPT = "Routed experts stream from the disk, token after token."  # ~20 byte-level tokens
 N_TOKENS = 16
@@ -49,13 +50,7 @@ def greedy(opened: OpenedModel, n: int = N_TOKENS, *, keep: bool = False) -> tup
     owned = opened if not keep else OpenedModel(opened.model, opened.open_mode, opened.open_reason, None)
     model = LlamaModel(n_ctx=128, n_threads=2, callback=EvalCallback(RoutingGate()), install=False, opened=owned)
     try:
-        model.decode(model.tokenize(PROMPT))
-        first = model.logits().copy()
-        tokens = []
-        for _ in range(n):
-            tokens.append(int(np.argmax(model.logits())))
-            model.decode([tokens[-1]])
-        return first, tokens
+        return greedy_on(model, n, PROMPT)
     finally:
         if keep:
             owned.model = None  # the context goes, the caller's model stays
@@ -186,7 +181,7 @@ def test_open_bytes_read(tmp_path: Path) -> None:
         )
         # The experts were never written: (almost) none of their pages are in RAM.
         expert_resident = sum(
-            resident_bytes(GgmlTensor.from_address(addr).data, layout.experts[key].span.nbytes)
+            resident_bytes_of(GgmlTensor.from_address(addr).data, layout.experts[key].span.nbytes)
             for key, addr in user.expert_tensors(layout).items()
         )
         assert expert_resident <= 0.05 * layout.expert_bytes
@@ -256,10 +251,10 @@ def test_release_file_pages(tmp_path: Path) -> None:
         found = capture_weights(opened.model, [et.span.name for et in layout.experts.values()])
         tensors = {key: found[et.span.name][0] for key, et in layout.experts.items()}
         spans = mapping_spans(layout, tensors)
-        before = sum(resident_bytes(addr, span.nbytes) for span, addr in spans)
+        before = sum(resident_bytes_of(addr, span.nbytes) for span, addr in spans)
         assert before >= 0.9 * layout.expert_bytes  # the plain load populated everything
         released = release_file_pages(layout, spans)
-        after = sum(resident_bytes(addr, span.nbytes) for span, addr in spans)
+        after = sum(resident_bytes_of(addr, span.nbytes) for span, addr in spans)
         assert released >= 0.95 * layout.expert_bytes
         # Only the edges stay: partial pages and large page-cache folios across a tensor's ends.
         assert after <= 0.05 * layout.expert_bytes, (before, after)

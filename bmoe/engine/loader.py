@@ -268,21 +268,6 @@ def _interior(addr: int, nbytes: int) -> tuple[int, int]:
     return lo, max(lo, hi)
 
 
-def resident_bytes(addr: int, nbytes: int) -> int:
-    """Bytes of the pages covering [addr, addr + nbytes) that are in RAM (mincore: for a file
-    mapping, whether the page is in the page cache). A measurement: allocates."""
-    lo = addr // _PAGE * _PAGE
-    hi = -(-(addr + nbytes) // _PAGE) * _PAGE
-    pages = (hi - lo) // _PAGE
-    if pages == 0:
-        return 0
-    vec = (ctypes.c_ubyte * pages)()
-    if _libc().mincore(lo, hi - lo, vec) != 0:
-        err = ctypes.get_errno()
-        raise SeamError(f"mincore on [{lo:#x}, {hi:#x}): {os.strerror(err)}")
-    return sum(b & 1 for b in bytes(vec)) * _PAGE
-
-
 def _file_mappings(path: Path) -> list[tuple[int, int, int, bool]]:
     """This process's mappings of ``path``: (start, end, file offset, writable). Matched by
     device and inode, or by path (overlay filesystems show the underlying device in maps)."""
@@ -695,6 +680,6 @@ def capture_weights(model: Any, names: Iterable[str], *, n_threads: int = 1) -> 
 __all__ = [
     "MODES", "OpenedModel", "UserPathUnsupported", "capture_weights", "choose_open_mode",
     "evict_file_cache", "file_mapped", "mapping_spans", "open_model", "read_io_bytes", "read_meminfo",
-    "read_overcommit", "release_file_pages", "resident_bytes", "user_alloc_bytes",
+    "read_overcommit", "release_file_pages", "user_alloc_bytes",
 ]
 

@@ -21,7 +21,7 @@ from bmoe.errors import ReadError
 DIRECT_ALIGN = 4096  # logical block size O_DIRECT requires of address, offset and length
 
 
-def _align_up(x: int, a: int) -> int:
+def align_up(x: int, a: int) -> int:
     return -(-x // a) * a
 
 
@@ -83,9 +83,9 @@ class ShardReader:
             return
         head = offset % DIRECT_ALIGN
         start, end = offset - head, offset + nbytes
-        stop = _align_up(end, DIRECT_ALIGN)
+        stop = align_up(end, DIRECT_ALIGN)
         scratch = ctypes.create_string_buffer(stop - start + DIRECT_ALIGN)
-        aligned = _align_up(ctypes.addressof(scratch), DIRECT_ALIGN)
+        aligned = align_up(ctypes.addressof(scratch), DIRECT_ALIGN)
         try:
             reached = _fill(self._direct[shard], start, stop, end, aligned)
         except OSError as e:
@@ -121,7 +121,7 @@ class ShardReader:
         if (dest - head) % DIRECT_ALIGN:
             cause = f"O_DIRECT destination {dest:#x} not congruent to the offset mod {DIRECT_ALIGN}"
             raise self._error(shard, offset, nbytes, cause)
-        stop = _align_up(offset + nbytes, DIRECT_ALIGN)
+        stop = align_up(offset + nbytes, DIRECT_ALIGN)
         return self._read(self._direct[shard], shard, offset, nbytes, offset - head, stop, dest - head)
 
     def _read(self, fd: int, shard: int, offset: int, nbytes: int, start: int, stop: int, addr: int) -> int:

@@ -15,7 +15,7 @@ import os
 from types import TracebackType
 
 from bmoe.errors import BudgetError
-from bmoe.io.direct import DIRECT_ALIGN
+from bmoe.io.direct import DIRECT_ALIGN, align_up
 
 _PAGE = max(mmap.PAGESIZE, DIRECT_ALIGN)
 # Python's mmap module exports MAP_NORESERVE only from 3.13; 0x4000 is its value on x86-64 and arm64.
@@ -34,14 +34,23 @@ _libc.mincore.restype = ctypes.c_int
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 
 
-def _align_up(x: int, a: int) -> int:
-    return -(-x // a) * a
-
-
 def _check(rc: int, call: str) -> None:
     if rc != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"{call}: {os.strerror(err)}")
+
+
+def resident_bytes_of(addr: int, nbytes: int) -> int:
+    """Bytes of the pages covering [addr, addr + nbytes) that are in RAM (mincore; for a file
+    mapping, whether the page is in the page cache). A measurement: allocates."""
+    lo = addr // _PAGE * _PAGE
+    hi = -(-(addr + nbytes) // _PAGE) * _PAGE
+    pages = (hi - lo) // _PAGE
+    if pages == 0:
+        return 0
+    vec = (ctypes.c_ubyte * pages)()
+    _check(_libc.mincore(lo, hi - lo, vec), "mincore")
+    return (pages - bytes(vec).count(0)) * _PAGE
 
 
 class Region:
@@ -57,7 +66,7 @@ class Region:
             raise ValueError(f"region of {nbytes} bytes at file offset {file_offset}")
         head = file_offset % DIRECT_ALIGN
         self.nbytes = nbytes
-        self._length = _align_up(_PAGE + head + nbytes, _PAGE) + _PAGE
+        self._length = align_up(_PAGE + head + nbytes, _PAGE) + _PAGE
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
         start: int | None = _libc.mmap(None, self._length, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
         if start in (None, _MAP_FAILED):
@@ -86,7 +95,7 @@ class Region:
         self._live()
         if not 0 <= start <= end <= self.nbytes:
             raise ValueError(f"release [{start}, {end}) outside region of {self.nbytes} bytes")
-        lo = _align_up(self.base + start, _PAGE)
+        lo = align_up(self.base + start, _PAGE)
         hi = (self.base + end) // _PAGE * _PAGE
         if hi <= lo:
             return 0
@@ -95,12 +104,7 @@ class Region:
 
     def resident_bytes(self) -> int:
         """Bytes of the whole mapping (slack included) in RAM now. A measurement: allocates."""
-        start = self._live()
-        pages = self._length // _PAGE
-        vec = (ctypes.c_ubyte * pages)()
-        _check(_libc.mincore(start, self._length, vec), "mincore")
-        resident: int = (pages - bytes(vec).count(0)) * _PAGE
-        return resident
+        return resident_bytes_of(self._live(), self._length)
 
     def close(self) -> None:
         """Unmap. Idempotent. Restore any tensor pointing here first: its pointer dangles after."""

@@ -22,15 +22,12 @@ from collections.abc import Mapping, Sequence
 from bmoe.engine.ggml import GgmlTensor
 from bmoe.engine.loader import file_mapped, release_file_pages
 from bmoe.errors import SeamMismatchError
+from bmoe.io.direct import align_up
 from bmoe.io.layout import ModelLayout, TensorSpan
 from bmoe.io.regions import Region
 
 # ggml's CPU kernels may use aligned vector loads; ggml_aligned_malloc aligns to 64.
 ALIGN = 64
-
-
-def _align_up(x: int, a: int) -> int:
-    return -(-x // a) * a
 
 
 class AnonDense:
@@ -92,7 +89,7 @@ class AnonDense:
         total = 0
         for data, (span, structs) in self._groups.items():
             plan.append((total, data, span, structs))
-            total = _align_up(total + span.nbytes, ALIGN)
+            total = align_up(total + span.nbytes, ALIGN)
         if self._region is None:
             region = Region(max(total, 1), 0)  # base is page-aligned
             try:

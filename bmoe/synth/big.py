@@ -63,14 +63,13 @@ from gguf import (
 
 from bmoe.errors import ConfigError
 from bmoe.synth.shapes import ROUTING_PROFILES, MoeShape, get_shape
+from bmoe.synth.tiny import write_moe_keys
 from bmoe.synth.vocab import (
-    BOS_ID,
     CONTROL_IDS,
-    EOS_ID,
     SPACE,
-    UNK_ID,
     Vocab,
     byte_vocab,
+    write_tokenizer,
 )
 
 Q8_0 = GGMLQuantizationType.Q8_0
@@ -530,42 +529,20 @@ class _Writer(GGUFWriter):
         return head + struct.pack("<IQ", ltype, len(val)) + body
 
 
-def _write_tokenizer(w: GGUFWriter, vocab: Vocab) -> None:
-    w.add_tokenizer_model("llama")
-    w.add_token_list(list(vocab.tokens))
-    w.add_token_scores(list(vocab.scores))
-    w.add_token_types(list(vocab.types))
-    w.add_unk_token_id(UNK_ID)
-    w.add_bos_token_id(BOS_ID)
-    w.add_eos_token_id(EOS_ID)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
-
-
 def _write_metadata(w: GGUFWriter, spec: SynthSpec, shape: MoeShape, vocab: Vocab) -> None:
     a = shape.arch
     n_layer = spec.layers(shape)
-    w.add_string("general.name", f"bmoe-synth-{shape.name}-l{n_layer}-{spec.wtype}-s{spec.seed}"
-                 + ("" if spec.skew else "-noskew"))
-    w.add_uint32("general.file_type", int(WTYPES[spec.wtype][1]))
-    w.add_uint32("general.quantization_version", 2)
-    w.add_uint32(f"{a}.context_length", shape.context_length)
-    w.add_uint32(f"{a}.embedding_length", shape.n_embd)
-    w.add_uint32(f"{a}.block_count", n_layer)
+    write_moe_keys(
+        w, a, name=f"bmoe-synth-{shape.name}-l{n_layer}-{spec.wtype}-s{spec.seed}" + ("" if spec.skew else "-noskew"),
+        file_type=int(WTYPES[spec.wtype][1]), context_length=shape.context_length, n_embd=shape.n_embd,
+        n_layer=n_layer, n_head=shape.n_head, n_head_kv=shape.n_head_kv, head_dim=shape.head_dim,
+        rms_eps=shape.rms_eps, rope_theta=shape.rope_theta, n_expert=shape.n_expert,
+        n_expert_used=spec.top_k(shape), n_ff_exp=shape.n_ff_exp,
+    )
     w.add_uint32(f"{a}.feed_forward_length", shape.n_ff)
-    w.add_uint32(f"{a}.attention.head_count", shape.n_head)
-    w.add_uint32(f"{a}.attention.head_count_kv", shape.n_head_kv)
-    w.add_uint32(f"{a}.attention.key_length", shape.head_dim)
-    w.add_uint32(f"{a}.attention.value_length", shape.head_dim)
-    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", shape.rms_eps)
-    w.add_uint32(f"{a}.rope.dimension_count", shape.head_dim)
-    w.add_float32(f"{a}.rope.freq_base", shape.rope_theta)
-    w.add_uint32(f"{a}.expert_count", shape.n_expert)
-    w.add_uint32(f"{a}.expert_used_count", spec.top_k(shape))
-    w.add_uint32(f"{a}.expert_feed_forward_length", shape.n_ff_exp)
     if shape.n_ff_shexp:
         w.add_uint32(f"{a}.expert_shared_feed_forward_length", shape.n_ff_shexp)
-    _write_tokenizer(w, vocab)
+    write_tokenizer(w, vocab)
 
 
 # ---- writing ------------------------------------------------------------------------------------

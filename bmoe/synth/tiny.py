@@ -256,26 +256,40 @@ def _plan(spec: TinySpec, dims: _Dims) -> list[_Tensor]:
     return out
 
 
-def _write_metadata(w: GGUFWriter, spec: TinySpec, dims: _Dims, vocab: Vocab) -> None:
-    # Literal key names (as in llama-arch.cpp) keep this independent of gguf-py's helper set,
-    # and the value types are the ones llama.cpp's typed get_key insists on.
-    a = spec.arch
-    w.add_string("general.name", f"bmoe-tiny-{a}-{spec.wtype}")
-    w.add_uint32("general.file_type", int(_WTYPES[spec.wtype][1]))
+def write_moe_keys(
+    w: GGUFWriter, arch: str, *, name: str, file_type: int, context_length: int, n_embd: int,
+    n_layer: int, n_head: int, n_head_kv: int, head_dim: int, rms_eps: float, rope_theta: float,
+    n_expert: int, n_expert_used: int, n_ff_exp: int,
+) -> None:
+    """The keys every MoE file bmoe writes carries (tiny and synth alike). Literal key names (as
+    in llama-arch.cpp) keep this independent of gguf-py's helper set, and the value types are the
+    ones llama.cpp's typed get_key insists on."""
+    w.add_string("general.name", name)
+    w.add_uint32("general.file_type", file_type)
     w.add_uint32("general.quantization_version", 2)
-    w.add_uint32(f"{a}.context_length", CONTEXT_LENGTH)
-    w.add_uint32(f"{a}.embedding_length", spec.n_embd)
-    w.add_uint32(f"{a}.block_count", spec.n_layer)
-    w.add_uint32(f"{a}.attention.head_count", dims.n_head)
-    w.add_uint32(f"{a}.attention.head_count_kv", dims.n_head_kv)
-    w.add_uint32(f"{a}.attention.key_length", dims.head_dim)
-    w.add_uint32(f"{a}.attention.value_length", dims.head_dim)
-    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", RMS_EPS)
-    w.add_uint32(f"{a}.rope.dimension_count", dims.head_dim)
-    w.add_float32(f"{a}.rope.freq_base", 1_000_000.0)
-    w.add_uint32(f"{a}.expert_count", spec.n_expert)
-    w.add_uint32(f"{a}.expert_used_count", spec.n_expert_used)
-    w.add_uint32(f"{a}.expert_feed_forward_length", spec.n_ff)
+    w.add_uint32(f"{arch}.context_length", context_length)
+    w.add_uint32(f"{arch}.embedding_length", n_embd)
+    w.add_uint32(f"{arch}.block_count", n_layer)
+    w.add_uint32(f"{arch}.attention.head_count", n_head)
+    w.add_uint32(f"{arch}.attention.head_count_kv", n_head_kv)
+    w.add_uint32(f"{arch}.attention.key_length", head_dim)
+    w.add_uint32(f"{arch}.attention.value_length", head_dim)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", rms_eps)
+    w.add_uint32(f"{arch}.rope.dimension_count", head_dim)
+    w.add_float32(f"{arch}.rope.freq_base", rope_theta)
+    w.add_uint32(f"{arch}.expert_count", n_expert)
+    w.add_uint32(f"{arch}.expert_used_count", n_expert_used)
+    w.add_uint32(f"{arch}.expert_feed_forward_length", n_ff_exp)
+
+
+def _write_metadata(w: GGUFWriter, spec: TinySpec, dims: _Dims, vocab: Vocab) -> None:
+    a = spec.arch
+    write_moe_keys(
+        w, a, name=f"bmoe-tiny-{a}-{spec.wtype}", file_type=int(_WTYPES[spec.wtype][1]),
+        context_length=CONTEXT_LENGTH, n_embd=spec.n_embd, n_layer=spec.n_layer, n_head=dims.n_head,
+        n_head_kv=dims.n_head_kv, head_dim=dims.head_dim, rms_eps=RMS_EPS, rope_theta=1_000_000.0,
+        n_expert=spec.n_expert, n_expert_used=spec.n_expert_used, n_ff_exp=spec.n_ff,
+    )
     if a == "qwen2moe":
         w.add_uint32(f"{a}.expert_shared_feed_forward_length", dims.n_ff_dense)
     if a == "gemma4":
