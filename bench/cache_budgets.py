@@ -23,6 +23,7 @@ from bmoe.engine.config import MiB, RunConfig
 from bmoe.engine.loader import evict_file_cache
 from bmoe.engine.session import Session
 from bmoe.io.probe import cache_dir
+from bmoe.io.validate import open_layout
 from bmoe.metrics.tokens import peak_rss_bytes
 from bmoe.synth.tiny import TinySpec, write_tiny
 
@@ -66,8 +67,7 @@ def main() -> None:
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         write_tiny(path, DEFAULT)
-    with Session.open(path, RunConfig(mode="resident")) as s:
-        layout = s.layout
+    layout = open_layout(path)
     working_set = layout.expert_bytes_per_token()
     budgets = {
         "below working set": max(MiB, working_set // 2),

@@ -64,6 +64,7 @@ from bmoe.bench.balloon import (
     cgroup_room,
     plan_balloon,
 )
+from bmoe.engine.loader import read_io_bytes
 from bmoe.errors import BmoeError, ConfigError
 from bmoe.metrics.tokens import peak_rss_bytes
 from bmoe.pipeline.budget import read_meminfo
@@ -392,12 +393,6 @@ def execute(run: Run, model: Path, opts: BenchOptions, scratch: Path) -> None:
 # --- the child ----------------------------------------------------------------------------------
 
 
-def _io_read_bytes() -> int | None:
-    from bmoe.engine.loader import read_io_bytes
-
-    return read_io_bytes()
-
-
 def _delta(a: int | None, b: int | None) -> int | None:
     return None if a is None or b is None else b - a
 
@@ -415,9 +410,9 @@ async def _bmoe_child(spec: dict[str, Any]) -> dict[str, Any]:
             warm = await s.generate(spec["prompt"], spec["tokens"], stop_at_end=False)
         elif spec["warmup_tokens"] > 0:
             warm = await s.generate(spec["warmup_prompt"], spec["warmup_tokens"], stop_at_end=False)
-        io0, faults0 = _io_read_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+        io0, faults0 = read_io_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
         g = await s.generate(spec["prompt"], spec["tokens"], stop_at_end=False)
-        io1, faults1 = _io_read_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+        io1, faults1 = read_io_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
         assert g.stats is not None
         return {
             "tokens": g.tokens, "stats": g.stats.as_dict(), "open_s": open_s,
@@ -462,9 +457,9 @@ def _mmap_child(spec: dict[str, Any]) -> dict[str, Any]:
     warm = None
     if spec["warmup_tokens"] > 0:
         warm = generate(spec["warmup_prompt"], spec["warmup_tokens"])
-    io0, faults0 = _io_read_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+    io0, faults0 = read_io_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
     g = generate(spec["prompt"], spec["tokens"])
-    io1, faults1 = _io_read_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+    io1, faults1 = read_io_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
     tokens = g.pop("tokens")
     if warm is not None:
         warm.pop("tokens")

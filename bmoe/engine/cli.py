@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -409,10 +408,9 @@ def _write_with_progress(out: Path, spec) -> list[Path]:  # noqa: ANN001
 
 
 def _demo_dir(arg: Path | None) -> Path:
-    if arg is not None:
-        return arg
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "bmoe"
+    from bmoe.io.probe import cache_dir
+
+    return arg if arg is not None else cache_dir()
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

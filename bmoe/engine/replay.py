@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from bmoe.engine.recipes import recipe_for
-from bmoe.engine.streaming import Streamer
+from bmoe.engine.streaming import Streamer, open_reader
 from bmoe.errors import BmoeError, DecodeAbortedError
 from bmoe.io.direct import ShardReader
 from bmoe.io.layout import ModelLayout
@@ -74,7 +74,7 @@ class ComputeModel:
 
 def check_layout(trace: RouteTrace, layout: ModelLayout) -> dict[int, int]:
     """The model's per-layer expert bytes, refusing a model that is not the trace's."""
-    entry = {il: sum(et.stride for et in layout.layer_experts(il)) for il in layout.moe_layers}
+    entry = layout.entry_bytes()
     if (layout.n_layer, layout.n_expert) != (trace.n_layer, trace.n_expert) or entry != trace.expert_bytes:
         raise BmoeError(
             f"{layout.shards[0].name} does not match the trace's layout: model has {layout.n_layer} "
@@ -173,9 +173,7 @@ async def replay(
     if model is not None:
         entry = check_layout(trace, model)
         residency: Residency | SimResidency = Residency(model, None)
-        reader: ShardReader | SimReader = ShardReader(model.shards, direct=odirect)
-        first = model.layer_experts(model.moe_layers[0])[0]
-        reader.verify(first.span.shard, first.span.offset, first.stride)
+        reader: ShardReader | SimReader = open_reader(model, odirect)
         io = reader.mode
     else:
         entry = dict(trace.expert_bytes)

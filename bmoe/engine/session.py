@@ -61,6 +61,7 @@ class Piece:
 class _Measure:
     wall_s: float
     delta: Counters | None
+    counters: Counters | None  # pipeline counters at the end of the call(s)
     before: ProcessSample
     after: ProcessSample
     next_step: int
@@ -88,7 +89,6 @@ class Session:
         self._dense = dense
         gate = callback.gate
         self._compute = ComputeStage(model.decode, gate.arm, gate.disarm, gate.abort)
-        self._busy = False
         self._lock: asyncio.Lock | None = None
         self.open_mode = opened.open_mode
         self.open_reason = opened.open_reason
@@ -187,7 +187,6 @@ class Session:
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
-            self._busy = True
             stats = self._new_stats(len(tokens))
             self.last_stats = stats
             start = self._counters()
@@ -217,7 +216,6 @@ class Session:
                     yield Piece(None, tail)
             finally:
                 self._finish_stats(stats, start)
-                self._busy = False
 
     async def generate(self, prompt: str, max_tokens: int = 64, *, stop_at_end: bool = True) -> Generation:
         out = Generation()
@@ -274,13 +272,13 @@ class Session:
         wall = time.perf_counter() - t0
         after = self._counters()
         delta = after - before if after is not None and before is not None else None
-        return _Measure(wall, delta, sample, ProcessSample.now(), step)
+        return _Measure(wall, delta, after, sample, ProcessSample.now(), step)
 
     def _token_metrics(self, index: int, token: int, m: _Measure, start: Counters | None) -> TokenMetrics:
         d = m.delta
         cum = None
-        if d is not None and start is not None:
-            total = self._counters() - start  # type: ignore[operator]
+        if m.counters is not None and start is not None:
+            total = m.counters - start
             used = total.hits + total.misses
             cum = 100.0 * total.hits / used if used else None
         wait = d.blocked_s if d else None
@@ -324,7 +322,7 @@ class Session:
 
     def set_cache_budget(self, budget_bytes: int) -> None:
         """Change the expert cache budget between generations; evicts down to it at once."""
-        if self._busy:
+        if self._lock is not None and self._lock.locked():
             raise BmoeError("cannot change the cache budget while generating")
         if self._streaming is None:
             raise ConfigError("a resident session has no expert cache")

@@ -26,6 +26,18 @@ from bmoe.stages.prefetch import PrefetchStage
 from bmoe.stages.read import Reader, ReadStage
 
 
+def open_reader(layout: ModelLayout, direct: bool) -> ShardReader:
+    """A reader of the model's shards, its O_DIRECT checked on one expert slice (or turned off)."""
+    reader = ShardReader(layout.shards, direct=direct)
+    first = layout.layer_experts(layout.moe_layers[0])[0]
+    try:
+        reader.verify(first.span.shard, first.span.offset, first.stride)
+    except BaseException:
+        reader.close()
+        raise
+    return reader
+
+
 class Streamer:
     """Owns what streaming needs; ``close`` restores llama.cpp's expert pointers first.
 
@@ -56,24 +68,21 @@ class Streamer:
         cls, layout: ModelLayout, tensors: dict[tuple[int, str], int], config: RunConfig,
         gate: RoutingGate, hooks: Hooks,
     ) -> Streamer:
+        meminfo = read_meminfo()
+        budget = resolve_budget(
+            config.cache_bytes,
+            ceiling=config.cache_ceiling_bytes,
+            mem_available=meminfo.get("MemAvailable", 0),
+            mem_total=meminfo.get("MemTotal", 0),
+            dense_bytes=layout.dense_bytes,
+            expert_bank_bytes=layout.expert_bytes,
+            working_set_bytes=layout.expert_bytes_per_token(),
+        )
+        cache = ExpertCache(budget.bytes, layout.entry_bytes(), make_policy(config.cache_policy))
         residency = Residency(layout, tensors)
-        reader = ShardReader(layout.shards, direct=config.odirect)
         try:
-            first = layout.layer_experts(layout.moe_layers[0])[0]
-            reader.verify(first.span.shard, first.span.offset, first.stride)
-            meminfo = read_meminfo()
-            budget = resolve_budget(
-                config.cache_bytes,
-                ceiling=config.cache_ceiling_bytes,
-                mem_available=meminfo.get("MemAvailable", 0),
-                mem_total=meminfo.get("MemTotal", 0),
-                dense_bytes=layout.dense_bytes,
-                expert_bank_bytes=layout.expert_bytes,
-                working_set_bytes=layout.expert_bytes_per_token(),
-            )
-            cache = ExpertCache(budget.bytes, residency.entry_bytes(), make_policy(config.cache_policy))
+            reader = open_reader(layout, config.odirect)
         except BaseException:
-            reader.close()
             residency.close()
             raise
         streamer = cls(residency, reader, cache, gate, hooks, config.io_threads, budget)

@@ -118,12 +118,13 @@ class ModelLayout:
         suffixes = recipe_for(self.arch).expert_suffixes
         return tuple(self.experts[layer, s] for s in suffixes if (layer, s) in self.experts)
 
+    def entry_bytes(self) -> dict[int, int]:
+        """Per MoE layer, the bytes of one expert with all its projections (one cache entry)."""
+        return {il: sum(e.stride for e in self.layer_experts(il)) for il in self.moe_layers}
+
     def expert_bytes_per_token(self) -> int:
         """Bytes a token needs from disk when no routed expert is resident."""
-        return sum(
-            self.n_expert_used * sum(e.stride for e in self.layer_experts(il))
-            for il in self.moe_layers
-        )
+        return self.n_expert_used * sum(self.entry_bytes().values())
 
 
 @dataclass(frozen=True)

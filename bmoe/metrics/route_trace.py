@@ -39,8 +39,7 @@ class _Layer:
 
 class RouteRecorder:
     def __init__(self, path: str | os.PathLike[str], layout: ModelLayout, run: dict[str, object]) -> None:
-        entry = {il: sum(et.stride for et in layout.layer_experts(il)) for il in layout.moe_layers}
-        self._entry = entry
+        entry = self._entry = layout.entry_bytes()
         self._writer = TraceWriter(
             path, model=layout.shards[0].name, arch=layout.arch, n_layer=layout.n_layer,
             n_expert=layout.n_expert, n_expert_used=layout.n_expert_used, expert_bytes=entry,

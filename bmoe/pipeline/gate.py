@@ -11,6 +11,7 @@ gate refuse further work until the next ``arm``, so a decode can stop at its nex
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from collections import deque
 from collections.abc import Callable
@@ -39,7 +40,6 @@ class RoutingGate:
         self.phase = PHASE_DECODE
         # Layers served by the fast path, for the cache writer to account on the loop thread.
         self.fast_hits: deque[tuple[int, np.ndarray]] = deque()
-        self.event_layers = 0
         self.blocked_s = 0.0  # compute thread time spent waiting for the pipeline
         self.tap: Tap | None = None
         # Overlap: per layer, the projection to wait for at routing (the first one consumed); the
@@ -91,20 +91,15 @@ class RoutingGate:
             raise DecodeAbortedError("routing event outside an armed decode")
         event = RoutingEvent(layer, tuple(experts.tolist()), self.step, self.phase)
         self._pending.add(event)
-        self.event_layers += 1
+        t0 = time.perf_counter()
         first = self.first_proj.get(layer) if self.first_proj is not None else None
         gate_on = event.planned if self.per_expert else event.reply if first is None else event.proj_ready[first]
         done = False
         try:
             if self.aborting:  # abort() ran before the event was registered: it saw no event
                 raise self.error or DecodeAbortedError("decode aborted")
-            t0 = time.perf_counter()
             loop.call_soon_threadsafe(events.send_nowait, event)
-            try:
-                gate_on.result()
-            finally:
-                waited = time.perf_counter() - t0
-                self.blocked_s += waited
+            waited = self._wait(gate_on, t0)
             done = first is None and not self.per_expert
         finally:
             if done or self.aborting:
@@ -119,11 +114,9 @@ class RoutingGate:
         event = self._open.get(layer)
         if event is None:  # the layer was all resident: nothing to wait for
             return
-        t0 = time.perf_counter()
         try:
-            event.proj_ready[proj].result()
+            self._wait(event.proj_ready[proj], time.perf_counter())
         finally:
-            self.blocked_s += time.perf_counter() - t0
             if proj == self.last_proj.get(layer) or self.aborting:
                 del self._open[layer]
                 self._pending.discard(event)
@@ -137,23 +130,25 @@ class RoutingGate:
         ahead = ReadAhead(layer, experts)
         t0 = time.perf_counter()
         loop.call_soon_threadsafe(events.send_nowait, ahead)
-        try:
-            ahead.planned.result()
-        finally:
-            self.blocked_s += time.perf_counter() - t0
+        self._wait(ahead.planned, t0)
 
     def wait_expert(self, layer: int, proj: int, expert: int) -> None:
         """Modelled per-expert overlap: block until one slice of the layer is in place."""
         event = self._open.get(layer)
         if event is None:
             return
-        t0 = time.perf_counter()
-        try:
-            event.expert_ready[proj, expert].result()
-        finally:
-            self.blocked_s += time.perf_counter() - t0
+        self._wait(event.expert_ready[proj, expert], time.perf_counter())
 
     def close_layer(self, layer: int) -> None:
         event = self._open.pop(layer, None)
         if event is not None:
             self._pending.discard(event)
+
+    def _wait(self, fut: concurrent.futures.Future[None], since: float) -> float:
+        """Block on ``fut`` (raising its error), counting the time since ``since`` as blocked."""
+        try:
+            fut.result()
+        finally:
+            waited = time.perf_counter() - since
+            self.blocked_s += waited
+        return waited

@@ -6,7 +6,6 @@ futures per expert means a native per-expert hook can plug in without changing t
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
 
 from bmoe.pipeline.events import ExpertKey
 
@@ -36,9 +35,6 @@ class ReadinessBoard:
         else:
             fut.set_result(nbytes or 0)
 
-    def inflight(self, keys: Iterable[ExpertKey]) -> list[asyncio.Future[int]]:
-        return [f for k in keys if (f := self._inflight.get(k)) is not None]
-
-    def fail_all(self, error: BaseException) -> None:
-        for key, fut in list(self._inflight.items()):
-            self.complete(key, fut, None, error)
+    def future(self, key: ExpertKey) -> asyncio.Future[int] | None:
+        """The future of the read of ``key`` in flight, if there is one."""
+        return self._inflight.get(key)

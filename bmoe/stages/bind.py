@@ -60,7 +60,7 @@ class Residency:
         return len(self._experts[layer])
 
     def entry_bytes(self) -> dict[int, int]:
-        return {il: sum(et.stride for et in ets) for il, ets in self._experts.items()}
+        return self.layout.entry_bytes()
 
     def bind(self) -> None:
         """Point every expert tensor at its region: from now on llama.cpp reads only our bytes."""
@@ -99,9 +99,6 @@ class Residency:
         self.maps[layer][expert] = False
         for p, et in enumerate(self._experts[layer]):
             self._regions[layer, p].release(expert * et.stride, (expert + 1) * et.stride)
-
-    def resident_page_bytes(self) -> int:
-        return sum(r.resident_bytes() for r in self._regions.values())
 
     def close(self) -> None:
         self.restore()

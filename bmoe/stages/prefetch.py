@@ -65,11 +65,16 @@ class PrefetchStage:
         fast = self._fast_hits
         while fast:
             layer, experts = fast.popleft()
-            routed = experts.tolist()
-            self.evict(self._cache.plan(layer, routed).evictions)
-            self._last[layer] = tuple(routed)
-            if self.predictor is not None:
-                self.predictor.score(layer, tuple(routed))
+            self._plan(layer, tuple(experts.tolist()))
+
+    def _plan(self, layer: int, routed: tuple[int, ...]) -> Plan:
+        """Plan one routed layer, release what it evicts, and remember what it routed."""
+        plan = self._cache.plan(layer, routed)
+        self.evict(plan.evictions)
+        self._last[layer] = routed
+        if self.predictor is not None:
+            self.predictor.score(layer, routed)
+        return plan
 
     def evict(self, entries: tuple[tuple[int, int], ...]) -> None:
         for layer, expert in entries:
@@ -91,11 +96,7 @@ class PrefetchStage:
                     continue
                 t0 = time.perf_counter()
                 self.account_fast_hits()
-                plan = self._cache.plan(event.layer, event.experts)
-                self.evict(plan.evictions)
-                self._last[event.layer] = event.experts
-                if self.predictor is not None:
-                    self.predictor.score(event.layer, event.experts)
+                plan = self._plan(event.layer, event.experts)
                 self.cache_s += time.perf_counter() - t0
                 if self._hooks.on_plan:
                     self._hooks.on_plan(event, plan)
@@ -109,15 +110,13 @@ class PrefetchStage:
                 requests = [self._residency.requests(event.layer, e) for e in plan.misses]
                 for p in self._order(event.layer, n_proj):
                     for expert, per_expert in zip(plan.misses, requests):
-                        request = per_expert[p]
-                        fut = self._board.expect(request.key)
-                        fut.add_done_callback(self._forget_on_failure(event.layer, expert))
-                        by_proj[p].append(fut)
-                        reads.send_nowait((request, fut))
-                    by_proj[p].extend(self._board.inflight(ExpertKey(event.layer, p, e) for e in plan.hits))
-                for e in plan.hits:  # a hit still read ahead must not wait behind other read-ahead
-                    for p in range(n_proj):
-                        reads.send_nowait(ExpertKey(event.layer, p, e))
+                        by_proj[p].append(self._issue(per_expert[p], expert, reads))
+                    for e in plan.hits:  # a hit still being read ahead
+                        key = ExpertKey(event.layer, p, e)
+                        fut = self._board.future(key)
+                        if fut is not None:
+                            by_proj[p].append(fut)
+                            reads.send_nowait(key)  # promote it: a layer waits for it now
                 if self.per_expert:
                     self._expose_per_expert(event, plan, by_proj)
                 binds.send_nowait(BindJob(event, plan, by_proj, issued_at))
@@ -145,17 +144,22 @@ class PrefetchStage:
                 if not admitted:
                     continue
                 for request in self._residency.requests(il, e):
-                    fut = self._board.expect(request.key)
-                    fut.add_done_callback(self._forget_on_failure(il, e))
-                    reads.send_nowait((replace(request, speculative=True), fut))
+                    self._issue(replace(request, speculative=True), e, reads)
+
+    def _issue(self, request: ReadRequest, expert: int, reads: Channel) -> asyncio.Future[int]:
+        """Send one read with its readiness future; a failed read leaves no trace in the cache."""
+        fut = self._board.expect(request.key)
+        fut.add_done_callback(self._forget_on_failure(request.key.layer, expert))
+        reads.send_nowait((request, fut))
+        return fut
 
     def _expose_per_expert(self, event: RoutingEvent, plan: Plan, by_proj: list[list[asyncio.Future[int]]]) -> None:
         for p in range(len(by_proj)):
             for e in plan.hits + plan.misses:
                 ready: concurrent.futures.Future[None] = concurrent.futures.Future()
-                inflight = self._board.inflight([ExpertKey(plan.layer, p, e)])
-                if inflight:
-                    inflight[0].add_done_callback(partial(_mirror, ready))
+                inflight = self._board.future(ExpertKey(plan.layer, p, e))
+                if inflight is not None:
+                    inflight.add_done_callback(partial(_mirror, ready))
                 else:
                     ready.set_result(None)
                 event.expert_ready[p, e] = ready

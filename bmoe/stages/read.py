@@ -32,7 +32,6 @@ class ReadCounters:
     slice_bytes: int = 0  # bytes of the slices asked for
     busy_s: float = 0.0  # summed lane time inside reads
     speculative_bytes: int = 0  # of bytes_read, those read ahead of need (prefetch)
-    speculative_dropped: int = 0  # speculative reads dropped unstarted: their layer had run
 
 
 class ReadStage:
@@ -81,7 +80,6 @@ class ReadStage:
             closed = True
             for request, ready in spec.values():
                 self._board.complete(request.key, ready, None, ReadError(f"speculative read of {request.key} dropped"))
-            self.counters.speculative_dropped += len(spec)
             spec.clear()
             wake.set()
 
