@@ -35,9 +35,34 @@ DEFAULT = TinySpec(wtype="q8_0", n_layer=10, n_embd=1024, n_expert=64, n_expert_
 
 
 async def run(path: Path, config: RunConfig, n: int) -> dict:
+    """Tokens, generation stats, and per decode token the ms blocked on reads and the rest."""
+    tokens, stall, compute = [], [], []
     with Session.open(path, config) as s:
-        g = await s.generate(PROMPT, n, stop_at_end=False)
-    return {"tokens": g.tokens, **g.stats.as_dict()}
+        async for piece in s.stream(PROMPT, n, stop_at_end=False):
+            if piece.token is None:
+                continue
+            tokens.append(piece.token)
+            m = piece.metrics
+            if m is not None and m.phase == "decode":
+                stall.append(m.read_wait_ms or 0.0)
+                compute.append(m.compute_ms)
+        stats = s.last_stats
+    return {**stats.as_dict(), "tokens": tokens, "decode_stall_ms": statistics.fmean(stall),
+            "decode_compute_ms": statistics.fmean(compute)}
+
+
+def replay_what_if(path: Path, layout, base: dict, budget: int, n: int) -> dict[str, float]:  # noqa: ANN001
+    """Decode tok/s a serial run's trace predicts under each overlap mode."""
+    with tempfile.TemporaryDirectory() as tmp:
+        trace_path = Path(tmp) / "serial.route.csv"
+        asyncio.run(run(path, RunConfig(**base, route_trace=str(trace_path)), n))
+        trace = read_trace(trace_path)
+    compute = ComputeModel(trace.timing, 0.0)
+    predicted = {}
+    for overlap in ("none", "tensor", "expert"):
+        r = asyncio.run(replay(trace, budget_bytes=budget, policy="lru", compute=compute, model=layout, overlap=overlap))
+        predicted[overlap] = r.tok_per_s
+    return predicted
 
 
 def main() -> None:
@@ -46,6 +71,9 @@ def main() -> None:
     ap.add_argument("--cache-mb", type=float, default=None)
     ap.add_argument("-n", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: every core)")
+    ap.add_argument("--io-threads", type=int, default=2)
+    ap.add_argument("--no-replay", action="store_true", help="skip the replay what-if")
     args = ap.parse_args()
     path = args.model or cache_dir() / "bench" / "bmoe-bench-q8_0-l10-e1024-x64-k4-f512.gguf"
     if not path.exists():
@@ -53,13 +81,14 @@ def main() -> None:
         write_tiny(path, DEFAULT)
     layout = open_layout(path)
     budget = int(args.cache_mb * MiB) if args.cache_mb is not None else layout.expert_bytes // 2
-    base = {"cache_bytes": budget, "io_threads": 2}
+    base = {"cache_bytes": budget, "io_threads": args.io_threads, "n_threads": args.threads}
     configs = {
         "serial": RunConfig(**base),
         "overlap": RunConfig(**base, overlap=True),
         "prefetch 1": RunConfig(**base, prefetch=1),
         "predict-prefetch": RunConfig(**base, predict_prefetch=True),
         "overlap + prefetch 1": RunConfig(**base, overlap=True, prefetch=1),
+        "overlap + predict-prefetch": RunConfig(**base, overlap=True, predict_prefetch=True),
     }
     runs: dict[str, list[dict]] = {k: [] for k in configs}
     for _ in range(args.rounds):
@@ -75,7 +104,8 @@ def main() -> None:
             "identical_tokens": all(r["tokens"] == reference for r in rs),
             "tok_s": round(tok, 2),
             "over_serial": round(tok / serial_tok, 3),
-            "stall_ms_per_token": round(statistics.median(r["stall_ms"] for r in rs) / args.n, 2),
+            "decode_stall_ms_per_token": round(statistics.median(r["decode_stall_ms"] for r in rs), 2),
+            "decode_compute_ms_per_token": round(statistics.median(r["decode_compute_ms"] for r in rs), 2),
             "hit_pct": round(statistics.median(r["cache_hit_pct"] for r in rs), 1),
             "prefetch_useful_of_issued": f"{rs[0]['prefetch_useful']}/{rs[0]['prefetch_issued']}",
             "predict_accuracy_pct_mean": (
@@ -83,27 +113,21 @@ def main() -> None:
                 if rs[0]["predict_accuracy_pct"] else None
             ),
         })
-    with tempfile.TemporaryDirectory() as tmp:
-        trace_path = Path(tmp) / "serial.route.csv"
-        asyncio.run(run(path, RunConfig(**base, route_trace=str(trace_path)), args.n))
-        trace = read_trace(trace_path)
-        compute = ComputeModel(trace.timing, 0.0)
-        predicted = {}
-        for overlap in ("none", "tensor", "expert"):
-            r = asyncio.run(replay(trace, budget_bytes=budget, policy="lru", compute=compute,
-                                   model=layout, overlap=overlap))
-            predicted[overlap] = r.tok_per_s
+    predicted = {} if args.no_replay else replay_what_if(path, layout, base, budget, args.n)
     print(json.dumps({
         "model": str(path),
         "cache_mb": round(budget / MiB, 1),
         "tokens": args.n,
         "rounds": args.rounds,
         "live": table,
-        "replay_tok_s": {k: round(v, 2) for k, v in predicted.items()},
-        "replay_expert_over_tensor": round(predicted["expert"] / predicted["tensor"], 3),
-        "replay_tensor_over_none": round(predicted["tensor"] / predicted["none"], 3),
+        "threads": args.threads or "every core",
+        "io_threads": args.io_threads,
+        "replay_tok_s": {k: round(v, 2) for k, v in predicted.items()} or "not run",
+        "replay_expert_over_tensor": round(predicted["expert"] / predicted["tensor"], 3) if predicted else None,
+        "replay_tensor_over_none": round(predicted["tensor"] / predicted["none"], 3) if predicted else None,
         "how": "live: medians over rounds, configurations interleaved, decode tok/s = tokens after the "
-               "first over summed decode calls, stall = compute thread blocked on the pipeline; replay: "
+               "first over summed decode calls; per decode token, stall = compute thread blocked on the "
+               "pipeline and compute = the rest of the token's wall time; replay: "
                "a serial run's route trace replayed with real reads and its recorded per-layer compute, "
                "compute modelled as n_proj+1 equal parts per layer (see bmoe/engine/replay.py)",
     }, indent=1))

@@ -62,17 +62,27 @@ def test_shrinking_budget_evicts_and_discard_forgets() -> None:
         c.set_budget(-1)
 
 
-def test_speculation_holds_the_budget_and_goes_first() -> None:
+def test_speculation_holds_the_budget_and_outlives_the_policy_until_its_layer_runs() -> None:
     c = cache(300)
     c.plan(0, (1, 2))
     ok, evicted = c.speculate((1, 5), protect={(0, 1), (0, 2)})
     assert ok and evicted == () and c.resident_bytes == 300
     ok, _ = c.speculate((1, 6), protect={(0, 1), (0, 2), (1, 5)})
     assert not ok and c.resident_bytes == 300, "no room without touching what is protected"
-    plan = c.plan(2, (9,))
-    assert plan.evictions == ((1, 5),), "unused read-ahead is the first victim"
-    c.speculate((1, 7), protect=set())
-    assert c.plan(1, (7,)).hits == (7,) and c.speculation_useful == 1
+    plan = c.plan(0, (3,))
+    assert plan.evictions == ((0, 1),), "read-ahead for a layer still to run outlives the policy's victims"
+    plan = c.plan(1, (9,))
+    assert plan.evictions == ((1, 5),), "guessed wrong: once its layer ran, read-ahead goes first"
+    c.speculate((2, 7), protect=set())
+    assert c.plan(2, (7,)).hits == (7,) and c.speculation_useful == 1
+
+
+def test_read_ahead_left_by_an_aborted_step_is_stale_after_trim() -> None:
+    c = cache(200)
+    c.plan(0, (1,))
+    c.speculate((1, 5), protect=set())
+    c.trim()
+    assert c.plan(0, (2, 3)).evictions == ((1, 5), (0, 1))
 
 
 def test_unknown_policy_is_a_clear_error() -> None:

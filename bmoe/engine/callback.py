@@ -146,7 +146,7 @@ class EvalCallback:
         last = np.ndarray((n_embd,), np.float32, (ctypes.c_char * (n_embd * 4)).from_address(x.data + (rows - 1) * x.nb[1]))
         predicted = self.predictor.predict(int(t.name[_LOGITS_NAME_LEN:]), last)  # type: ignore[union-attr]
         if predicted is not None:
-            self.gate.read_ahead(predicted[0], tuple(predicted[1].tolist()))
+            self.gate.predict(*predicted)
         return True
 
     def _on_matmul(self, node: int, ask: bool) -> bool:

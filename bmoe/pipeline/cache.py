@@ -11,7 +11,7 @@ A budget of 0 is "cache off": every routed expert is read every time it is used.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Set
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -110,8 +110,11 @@ class ExpertCache:
         self._configure = getattr(policy, "configure", _noop)
         self._configure(budget_bytes, self._entry_bytes)
         self._resident: set[Entry] = set()
-        # Read ahead of need and not used yet, oldest first: outside the policy, first to go.
-        self._speculative: dict[Entry, None] = {}
+        # Read ahead of need and not used yet, oldest first, outside the policy. An entry is
+        # ahead until its layer is planned without it; then it is stale and the first to go. An
+        # entry still ahead is the last to go: it was read for a layer about to run.
+        self._ahead: dict[Entry, None] = {}
+        self._stale: dict[Entry, None] = {}
         self.resident_bytes = 0
         self.hits = 0
         self.misses = 0
@@ -133,12 +136,14 @@ class ExpertCache:
         hits = tuple(e for e in routed if (layer, e) in self._resident)
         misses = tuple(e for e in routed if (layer, e) not in self._resident)
         for e in hits:
-            if (layer, e) in self._speculative:  # read ahead, now needed: the policy takes it on
-                del self._speculative[layer, e]
+            if self._unspeculate((layer, e)):  # read ahead, now needed: the policy takes it on
                 self.speculation_useful += 1
                 self._policy.admitted((layer, e))
             else:
                 self._policy.used((layer, e))
+        for entry in [a for a in self._ahead if a[0] == layer]:  # guessed wrong: now stale
+            del self._ahead[entry]
+            self._stale[entry] = None
         need = len(misses) * self._entry_bytes[layer]
         pinned = {(layer, e) for e in routed}
         evicted = self._evict_until(self.budget_bytes - need, pinned)
@@ -153,7 +158,7 @@ class ExpertCache:
     def speculate(self, entry: Entry, protect: set[Entry]) -> tuple[bool, tuple[Entry, ...]]:
         """Admit an entry read ahead of need, if room can be made without touching ``protect``
         (the layer being served and the other read-ahead candidates). The budget holds: nothing is
-        admitted over it. Until a plan uses it, the entry is the first to be evicted."""
+        admitted over it. The entry stays out of the policy until a plan uses it."""
         if entry in self._resident:
             return False, ()
         need = self._entry_bytes[entry[0]]
@@ -163,7 +168,7 @@ class ExpertCache:
         if self.resident_bytes + need > self.budget_bytes:
             return False, evicted
         self._resident.add(entry)
-        self._speculative[entry] = None
+        self._ahead[entry] = None
         self.resident_bytes += need
         self.speculated += 1
         return True, evicted
@@ -174,8 +179,11 @@ class ExpertCache:
             self._remove(entry)
 
     def trim(self) -> tuple[Entry, ...]:
-        """Evict down to the budget once no layer is pinned (end of a decode step)."""
+        """Evict down to the budget once no layer is pinned (end of a decode step). Read-ahead
+        whose layer never ran in the step (an aborted decode) is stale now too."""
         self._step_end()
+        self._stale.update(self._ahead)
+        self._ahead.clear()
         return self._evict_until(self.budget_bytes, frozenset())
 
     def set_budget(self, budget_bytes: int) -> tuple[Entry, ...]:
@@ -189,35 +197,40 @@ class ExpertCache:
         if self.resident_bytes <= limit:
             return ()
         evicted: list[Entry] = []
-        for entry in list(self._speculative):  # unused read-ahead goes before anything the policy holds
-            if self.resident_bytes <= limit:
-                break
-            if entry not in pinned:
-                self._remove(entry)
-                evicted.append(entry)
+        self._evict_from(iter(list(self._stale)), limit, pinned, evicted)
         candidates = self._policy.victims()
         try:
-            # Ask for the next victim only while over the limit: every candidate handed out is
-            # either evicted or skipped as pinned, never silently dropped.
-            while self.resident_bytes > limit:
-                entry = next(candidates, None)
-                if entry is None:
-                    break
-                if entry in pinned or entry not in self._resident:
-                    continue
-                self._remove(entry)
-                evicted.append(entry)
+            self._evict_from(candidates, limit, pinned, evicted)
         finally:
             close = getattr(candidates, "close", None)
             if close is not None:
                 close()
+        self._evict_from(iter(list(self._ahead)), limit, pinned, evicted)
         self.evictions += len(evicted)
         return tuple(evicted)
 
+    def _evict_from(self, candidates: Iterator[Entry], limit: int, pinned: Set[Entry], evicted: list[Entry]) -> None:
+        """Ask for the next victim only while over the limit: every candidate handed out is either
+        evicted or skipped as pinned, never silently dropped."""
+        while self.resident_bytes > limit:
+            entry = next(candidates, None)
+            if entry is None:
+                return
+            if entry in pinned or entry not in self._resident:
+                continue
+            self._remove(entry)
+            evicted.append(entry)
+
     def _remove(self, entry: Entry) -> None:
         self._resident.remove(entry)
-        if entry in self._speculative:
-            del self._speculative[entry]
-        else:
+        if not self._unspeculate(entry):
             self._policy.removed(entry)
         self.resident_bytes -= self._entry_bytes[entry[0]]
+
+    def _unspeculate(self, entry: Entry) -> bool:
+        """Drop ``entry`` from the read-ahead sets; whether it was in one."""
+        for group in (self._ahead, self._stale):
+            if entry in group:
+                del group[entry]
+                return True
+        return False

@@ -43,6 +43,9 @@ class RoutingEvent:
     # (projection, expert), each set when that one slice is in place.
     planned: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
     expert_ready: dict[tuple[int, int], concurrent.futures.Future[None]] = field(default_factory=dict)
+    # A prediction made before this layer routed: (later layer, its expected experts), read ahead
+    # once this layer's own reads are issued. Riding on the event saves the loop a round trip.
+    ahead: tuple[int, tuple[int, ...]] | None = None
 
     def fail(self, error: BaseException) -> None:
         for fut in (*self.proj_ready, self.reply, self.planned, *self.expert_ready.values()):

@@ -50,6 +50,8 @@ class RoutingGate:
         # compute waits slice by slice with ``wait_expert``.
         self.per_expert = False
         self._open: dict[int, RoutingEvent] = {}
+        # Predictive read-ahead: a prediction waiting for the next routing event to carry it.
+        self._ahead: tuple[int, tuple[int, ...]] | None = None
 
     def set_resident_maps(self, maps: list[np.ndarray]) -> None:
         """Per layer, a bool per expert that the bind stage keeps true while its bytes are in place."""
@@ -65,6 +67,7 @@ class RoutingGate:
         self.aborting = False
         self._open.clear()
         self._pending.clear()
+        self._ahead = None
 
     def disarm(self) -> None:
         self._loop = self._events = None
@@ -81,15 +84,18 @@ class RoutingGate:
         """Serve one layer's routing (``rows``: routed ids, one row per token); blocks until ready."""
         experts = np.unique(rows)
         resident = self._resident[layer][experts]
+        ahead, self._ahead = self._ahead, None
         if resident.all():
             self.fast_hits.append((layer, experts))
             if self.tap is not None:
                 self.tap(self.step, self.phase, layer, rows, experts, resident, 0.0)
+            if ahead is not None:
+                self.read_ahead(*ahead)
             return
         loop, events = self._loop, self._events
         if loop is None or events is None:
             raise DecodeAbortedError("routing event outside an armed decode")
-        event = RoutingEvent(layer, tuple(experts.tolist()), self.step, self.phase)
+        event = RoutingEvent(layer, tuple(experts.tolist()), self.step, self.phase, ahead=ahead)
         self._pending.add(event)
         t0 = time.perf_counter()
         first = self.first_proj.get(layer) if self.first_proj is not None else None
@@ -120,6 +126,14 @@ class RoutingGate:
             if proj == self.last_proj.get(layer) or self.aborting:
                 del self._open[layer]
                 self._pending.discard(event)
+
+    def predict(self, layer: int, experts: np.ndarray) -> None:
+        """Keep a prediction of a later layer's experts for the next routing to carry: with its
+        event if that layer misses, else alone (``read_ahead``). Experts already resident need
+        nothing, so a warm cache costs no round trip."""
+        missing = experts[~self._resident[layer][experts]]
+        if missing.size:
+            self._ahead = (layer, tuple(missing.tolist()))
 
     def read_ahead(self, layer: int, experts: tuple[int, ...]) -> None:
         """Hand a prediction to the prefetch stage and wait until it is planned (not read): its

@@ -120,8 +120,12 @@ class PrefetchStage:
                 if self.per_expert:
                     self._expose_per_expert(event, plan, by_proj)
                 binds.send_nowait(BindJob(event, plan, by_proj, issued_at))
+                if event.ahead is not None:
+                    self._speculate([event.ahead], {(event.layer, e) for e in event.experts}, reads)
                 if self.lookahead and event.phase == PHASE_DECODE:
                     self._read_ahead(event, reads)
+                if self.per_expert:  # only now: read-ahead may have evicted
+                    event.planned.set_result(None)
         finally:
             reads.close()
             binds.close()
@@ -163,7 +167,6 @@ class PrefetchStage:
                 else:
                     ready.set_result(None)
                 event.expert_ready[p, e] = ready
-        event.planned.set_result(None)
 
     def _order(self, layer: int, n_proj: int) -> tuple[int, ...]:
         return self.consumption.get(layer) or tuple(range(n_proj))
