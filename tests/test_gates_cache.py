@@ -70,6 +70,28 @@ def test_evicting_cache_equals_resident_and_the_budget_holds(tiny, wtype: str, p
     assert stats.cache_evictions > 0 and held["layers"] > N_TOKENS, "the per-layer check really ran"
 
 
+@pytest.mark.parametrize("budget", [0, 2 * MiB])
+def test_recycled_pages_change_no_token_and_leak_none(tiny, budget: int) -> None:
+    """Misses take over evicted experts' pages (holding another expert's bytes until the read
+    lands); RAM must still hold only what the cache accounts for, plus the edge pages experts
+    share with their neighbours."""
+    path = tiny.path(BIG_EXPERTS)
+
+    async def go():  # noqa: ANN202
+        with Session.open(path, config(budget)) as s:
+            out, excess = [], []
+            edges = 2 * 4096 * len(s.layout.moe_layers) * BIG_EXPERTS.n_expert * 3
+            async for piece in s.stream(PROMPT, N_TOKENS, stop_at_end=False):
+                out.append(piece.token)
+                excess.append(s.expert_memory_bytes() - s.resident_cache_bytes - edges)
+            return out, excess, s.last_stats
+
+    tokens, excess, stats = asyncio.run(go())
+    assert tokens == tiny.resident_tokens(path)
+    assert stats.recycled_bytes > 0 and stats.cache_evictions > 0, "pages were moved, not faulted"
+    assert max(excess) <= 0, f"expert memory beyond the cache's account: {max(excess)} bytes"
+
+
 def test_shrinking_the_budget_to_zero_between_generations(tiny) -> None:
     path = tiny.path(BIG_EXPERTS)
 

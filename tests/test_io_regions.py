@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from bmoe.errors import BudgetError
-from bmoe.io.regions import Region
+from bmoe.io.regions import Region, move_pages
 
 PAGE = mmap.PAGESIZE
 ALIGN = 4096
@@ -115,3 +115,23 @@ def test_reservation_failure_is_a_budget_error() -> None:
 def test_rejects_empty_region() -> None:
     with pytest.raises(ValueError):
         Region(0, 0)
+
+
+def test_moved_pages_carry_their_bytes_and_leave_the_source_mapped_and_empty() -> None:
+    with Region(8 * PAGE, 0) as src, Region(8 * PAGE, 0) as dst:
+        src.fill(0x11)
+        dst.fill(0x22)
+        lo, hi = src.pages(PAGE, 4 * PAGE)
+        to, _ = dst.pages(2 * PAGE, 5 * PAGE)
+        src_before, dst_before = src.resident_bytes(), dst.resident_bytes()
+        assert move_pages(lo, to, hi - lo)
+        assert read(to, hi - lo) == b"\x11" * (hi - lo), "the destination holds the moved pages"
+        assert src.resident_bytes() == src_before - (hi - lo), "moved, not copied"
+        assert dst.resident_bytes() == dst_before, "the destination's old pages were freed"
+        assert read(lo, hi - lo) == bytes(hi - lo), "the source range is still mapped, and empty"
+        assert read(dst.base, 2 * PAGE) == b"\x22" * 2 * PAGE  # neighbours untouched
+
+
+def test_move_refused_is_reported_not_raised() -> None:
+    with Region(4 * PAGE, 0) as r:
+        assert not move_pages(r.base + 1, r.base + 2 * PAGE, PAGE), "unaligned: the kernel refuses"

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from bmoe.engine.recipes import recipe_for
-from bmoe.engine.streaming import Streamer, open_reader
+from bmoe.engine.streaming import Streamer, open_reader, recycling_fits
 from bmoe.errors import BmoeError, DecodeAbortedError
 from bmoe.io.direct import ShardReader
 from bmoe.io.layout import ModelLayout
@@ -172,7 +172,7 @@ async def replay(
     gate = RoutingGate()
     if model is not None:
         entry = check_layout(trace, model)
-        residency: Residency | SimResidency = Residency(model, None)
+        residency: Residency | SimResidency = Residency(model, None, recycle=recycling_fits(model, budget_bytes))
         reader: ShardReader | SimReader = open_reader(model, odirect)
         io = reader.mode
     else:

@@ -304,7 +304,12 @@ class Session:
 
     @property
     def resident_cache_bytes(self) -> int | None:
+        """What the cache accounts for (whole experts); ``expert_memory_bytes`` is what RAM holds."""
         return self._streaming.cache.resident_bytes if self._streaming else None
+
+    def expert_memory_bytes(self) -> int | None:
+        """Bytes of the expert regions in RAM now, measured page by page (mincore; allocates)."""
+        return self._streaming.residency.resident_bytes() if self._streaming else None
 
     @property
     def warnings(self) -> list[str]:

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from bmoe.engine.config import RunConfig
 from bmoe.io.direct import ShardReader
 from bmoe.io.layout import ModelLayout
+from bmoe.io.regions import map_count_limit
 from bmoe.metrics.stats import Counters
 from bmoe.pipeline.budget import Budget, read_meminfo, resolve_budget
 from bmoe.pipeline.cache import ExpertCache, make_policy
@@ -36,6 +37,15 @@ def open_reader(layout: ModelLayout, direct: bool) -> ShardReader:
         reader.close()
         raise
     return reader
+
+
+def recycling_fits(layout: ModelLayout, budget_bytes: int) -> bool:
+    """Whether moving pages between expert slots may split the regions' mappings: each resident
+    expert can cost a few mappings per projection, and the process's map count limit must keep
+    most of its room for llama.cpp and the allocator (a refused mapping there is a crash)."""
+    entries = max(budget_bytes // min(layout.entry_bytes().values()), layout.n_expert)
+    n_proj = len(layout.layer_experts(layout.moe_layers[0]))
+    return entries * n_proj * 2 <= map_count_limit() // 2
 
 
 class Streamer:
@@ -79,7 +89,7 @@ class Streamer:
             working_set_bytes=layout.expert_bytes_per_token(),
         )
         cache = ExpertCache(budget.bytes, layout.entry_bytes(), make_policy(config.cache_policy))
-        residency = Residency(layout, tensors)
+        residency = Residency(layout, tensors, recycle=recycling_fits(layout, budget.bytes))
         try:
             reader = open_reader(layout, config.odirect)
         except BaseException:
@@ -96,6 +106,7 @@ class Streamer:
             self.bind.read_wall_s, self._gate.blocked_s, self.prefetch.cache_s + self.trim_s,
             c.misses, c.hits, c.evictions,
             self.read.counters.speculative_bytes, c.speculated, c.speculation_useful,
+            self.residency.recycled_bytes,
         )
 
     def serve(self, events: Channel[RoutingEvent]) -> list:

@@ -26,6 +26,7 @@ class Counters:
     speculative_bytes: int = 0
     prefetch_issued: int = 0
     prefetch_useful: int = 0
+    recycled_bytes: int = 0
 
     def __sub__(self, other: Counters) -> Counters:
         return Counters(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
@@ -53,6 +54,7 @@ class GenerationStats:
     speculative_bytes: int | None = None  # of bytes_read, read ahead of need (prefetch)
     prefetch_issued: int | None = None  # experts read ahead into the cache
     prefetch_useful: int | None = None  # of those, later routed while still cached
+    recycled_bytes: int | None = None  # read into pages moved over from evicted experts, not faulted in
     # Predictive read-ahead: per MoE layer, share of its routed experts the predictor named one
     # layer early (decode steps of this session so far).
     predict_accuracy_pct: dict[int, float] | None = None
@@ -65,6 +67,7 @@ class GenerationStats:
         self.experts_read, self.cache_hits, self.cache_evictions = c.misses, c.hits, c.evictions
         self.speculative_bytes = c.speculative_bytes
         self.prefetch_issued, self.prefetch_useful = c.prefetch_issued, c.prefetch_useful
+        self.recycled_bytes = c.recycled_bytes
 
     @property
     def cache_hit_pct(self) -> float | None:

@@ -3,8 +3,9 @@ every byte it routes to is in place.
 
 ``Residency`` owns the memory side: one reserved region per (layer, projection), expert ``e`` at
 ``base + e*stride`` so ``mul_mat_id`` indexes it unchanged; rebinding ``->data`` once at open and
-restoring the original pointers before the regions are freed; releasing an evicted expert's pages;
-and the per-layer resident maps the eval callback's fast path reads. The bind stage waits for a
+restoring the original pointers before the regions are freed; handing an evicted expert's pages to
+the experts about to be read, or releasing them; and the per-layer resident maps the eval
+callback's fast path reads. The bind stage waits for a
 layer's readiness futures, marks its experts resident and replies to the waiting callback.
 """
 
@@ -12,7 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,17 +22,22 @@ import numpy as np
 from bmoe.engine.ggml import GgmlTensor
 from bmoe.errors import ReadError, SeamMismatchError
 from bmoe.io.layout import ExpertTensor, ModelLayout
-from bmoe.io.regions import Region
-from bmoe.pipeline.cache import Plan
+from bmoe.io.regions import Region, move_pages, release_pages
+from bmoe.pipeline.cache import Entry, Plan
 from bmoe.pipeline.channel import Channel
 from bmoe.pipeline.events import ExpertKey, ReadRequest, RoutingEvent
 
 
 class Residency:
-    """``tensors`` None: regions are filled but no llama.cpp tensor points at them (replay)."""
+    """``tensors`` None: regions are filled but no llama.cpp tensor points at them (replay).
+    ``recycle``: move evicted pages to the slots about to be read instead of faulting fresh ones."""
 
-    def __init__(self, layout: ModelLayout, tensors: Mapping[tuple[int, str], int] | None) -> None:
+    def __init__(
+        self, layout: ModelLayout, tensors: Mapping[tuple[int, str], int] | None, recycle: bool = True
+    ) -> None:
         self.layout = layout
+        self.recycle = recycle
+        self.recycled_bytes = 0
         self._experts: dict[int, tuple[ExpertTensor, ...]] = {
             il: layout.layer_experts(il) for il in layout.moe_layers
         }
@@ -100,6 +107,41 @@ class Residency:
         for p, et in enumerate(self._experts[layer]):
             self._regions[layer, p].release(expert * et.stride, (expert + 1) * et.stride)
 
+    def reuse(self, evicted: Iterable[Entry], needed: Iterable[Entry]) -> None:
+        """Evict ``evicted`` (no read may be in flight into them) and move their pages into the
+        slots of ``needed``, about to be read; pages left over are released. A slot given only
+        part of what it needs faults the rest in when its read lands."""
+        donors: deque[list[int]] = deque()
+        for layer, expert in evicted:
+            self.maps[layer][expert] = False
+            donors.extend([lo, hi] for lo, hi in self._pages(layer, expert) if hi > lo)
+        if self.recycle:
+            for layer, expert in needed:
+                for lo, hi in self._pages(layer, expert):
+                    while lo < hi and donors and self.recycle:
+                        donor = donors[0]
+                        n = min(hi - lo, donor[1] - donor[0])
+                        if not move_pages(donor[0], lo, n):
+                            self.recycle = False  # refused once (old kernel, map count): fault from now on
+                            break
+                        donor[0] += n
+                        lo += n
+                        self.recycled_bytes += n
+                        if donor[0] == donor[1]:
+                            donors.popleft()
+        for lo, hi in donors:
+            release_pages(lo, hi)
+
+    def resident_bytes(self) -> int:
+        """Bytes of all regions in RAM now (a measurement: allocates)."""
+        return sum(region.resident_bytes() for region in self._regions.values())
+
+    def _pages(self, layer: int, expert: int) -> list[tuple[int, int]]:
+        return [
+            self._regions[layer, p].pages(expert * et.stride, (expert + 1) * et.stride)
+            for p, et in enumerate(self._experts[layer])
+        ]
+
     def close(self) -> None:
         self.restore()
         for region in self._regions.values():
@@ -110,6 +152,8 @@ class Residency:
 class SimResidency:
     """Residency with no memory behind it, for replays that model reads instead of making them:
     experts sized from the trace, split into the architecture's projections, nothing to bind."""
+
+    recycled_bytes = 0
 
     def __init__(self, n_layer: int, n_expert: int, entry_bytes: Mapping[int, int], n_proj: int = 1) -> None:
         self._entry = dict(entry_bytes)
@@ -137,6 +181,10 @@ class SimResidency:
 
     def release(self, layer: int, expert: int) -> None:
         self.maps[layer][expert] = False
+
+    def reuse(self, evicted: Iterable[Entry], needed: Iterable[Entry]) -> None:
+        for layer, expert in evicted:
+            self.maps[layer][expert] = False
 
     def close(self) -> None:
         pass

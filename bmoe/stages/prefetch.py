@@ -70,15 +70,22 @@ class PrefetchStage:
     def _plan(self, layer: int, routed: tuple[int, ...]) -> Plan:
         """Plan one routed layer, release what it evicts, and remember what it routed."""
         plan = self._cache.plan(layer, routed)
-        self.evict(plan.evictions)
+        self.evict(plan.evictions, [(layer, e) for e in plan.misses])
         self._last[layer] = routed
         if self.predictor is not None:
             self.predictor.score(layer, routed)
         return plan
 
-    def evict(self, entries: tuple[tuple[int, int], ...]) -> None:
+    def evict(self, entries: tuple[tuple[int, int], ...], needed: list[tuple[int, int]] | None = None) -> None:
+        """Evict ``entries``: their pages go to the ``needed`` slots about to be read, unless a
+        read into them is still in flight (a speculative one): those are only released."""
+        quiet = []
         for layer, expert in entries:
-            self._residency.release(layer, expert)
+            if any(self._board.future(ExpertKey(layer, p, expert)) is not None for p in range(self._residency.n_proj(layer))):
+                self._residency.release(layer, expert)
+            else:
+                quiet.append((layer, expert))
+        self._residency.reuse(quiet, needed or [])
 
     async def run(
         self,
@@ -144,7 +151,7 @@ class PrefetchStage:
         for il, experts in ahead:
             for e in experts:
                 admitted, evicted = self._cache.speculate((il, e), protect)
-                self.evict(evicted)
+                self.evict(evicted, [(il, e)] if admitted else None)
                 if not admitted:
                     continue
                 for request in self._residency.requests(il, e):
@@ -175,7 +182,7 @@ class PrefetchStage:
         def done(fut) -> None:  # noqa: ANN001
             if fut.cancelled() or fut.exception() is not None:
                 self._cache.discard((layer, expert))
-                self._residency.maps[layer][expert] = False
+                self._residency.release(layer, expert)
 
         return done
 
