@@ -13,12 +13,12 @@ gives (see bench/policies.py for the real trace).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+from bmoe.engine.aio import run as run_async
 from bmoe.engine.config import MiB, RunConfig
 from bmoe.engine.loader import evict_file_cache
 from bmoe.engine.session import Session
@@ -49,7 +49,7 @@ def in_child(path: Path, cache_bytes: int | None, n: int) -> dict:
 def child(path: Path, cache_bytes: str, n: int) -> None:
     mode = "resident" if cache_bytes == "None" else "stream"
     config = RunConfig(mode=mode, cache_bytes=0 if mode == "resident" else int(cache_bytes))
-    r = asyncio.run(generate(path, config, n))
+    r = run_async(generate(path, config, n))
     r["peak_rss"] = peak_rss_bytes()
     print(json.dumps(r))
 

@@ -16,12 +16,12 @@ before anyone writes it. Nothing is asserted.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import tempfile
 from pathlib import Path
 
+from bmoe.engine.aio import run as run_async
 from bmoe.engine.config import MiB, RunConfig
 from bmoe.engine.replay import ComputeModel, replay
 from bmoe.engine.session import Session
@@ -55,12 +55,12 @@ def replay_what_if(path: Path, layout, base: dict, budget: int, n: int) -> dict[
     """Decode tok/s a serial run's trace predicts under each overlap mode."""
     with tempfile.TemporaryDirectory() as tmp:
         trace_path = Path(tmp) / "serial.route.csv"
-        asyncio.run(run(path, RunConfig(**base, route_trace=str(trace_path)), n))
+        run_async(run(path, RunConfig(**base, route_trace=str(trace_path)), n))
         trace = read_trace(trace_path)
     compute = ComputeModel(trace.timing, 0.0)
     predicted = {}
     for overlap in ("none", "tensor", "expert"):
-        r = asyncio.run(replay(trace, budget_bytes=budget, policy="lru", compute=compute, model=layout, overlap=overlap))
+        r = run_async(replay(trace, budget_bytes=budget, policy="lru", compute=compute, model=layout, overlap=overlap))
         predicted[overlap] = r.tok_per_s
     return predicted
 
@@ -93,7 +93,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {k: [] for k in configs}
     for _ in range(args.rounds):
         for name, config in configs.items():
-            runs[name].append(asyncio.run(run(path, config, args.n)))
+            runs[name].append(run_async(run(path, config, args.n)))
     reference = runs["serial"][0]["tokens"]
     serial_tok = statistics.median(r["tok_per_s"] for r in runs["serial"])
     table = []

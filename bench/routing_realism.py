@@ -28,13 +28,13 @@ top-k (6), so the numbers compare like for like. Models and traces are deleted u
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from bmoe.engine.aio import run as run_async
 from bmoe.io.probe import cache_dir
 from bmoe.pipeline.trace import RouteTrace, default_trace_path, read_trace
 
@@ -184,7 +184,7 @@ def record(path: Path, trace_path: Path, n: int) -> tuple[list[int], str]:
             g = await s.generate(PROMPT, n, stop_at_end=False)
             return g.tokens, g.text
 
-    return asyncio.run(go())
+    return run_async(go())
 
 
 def realism(args: argparse.Namespace) -> int:

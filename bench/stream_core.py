@@ -14,7 +14,6 @@ device's at the same slice sizes. Reports medians over rounds and the ratios. No
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import statistics
@@ -22,6 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from bmoe.engine.aio import run as run_async
 from bmoe.engine.config import MiB, RunConfig
 from bmoe.engine.session import Session
 from bmoe.io.direct import ShardReader
@@ -104,7 +104,7 @@ def main() -> None:
     for r in range(args.rounds):
         for name, config in configs.items():
             hooks = recording if name == "stream" and r == 0 else None
-            runs[name].append(asyncio.run(one_run(path, config, args.n, hooks)))
+            runs[name].append(run_async(one_run(path, config, args.n, hooks)))
     probe = direct_probe(path, [g for g in groups if g], args.io_threads)
 
     def med(name: str, key: str) -> float:

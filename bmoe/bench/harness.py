@@ -36,7 +36,6 @@ in ``notes``, never 0.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import csv
 import dataclasses
 import json
@@ -64,6 +63,7 @@ from bmoe.bench.balloon import (
     cgroup_room,
     plan_balloon,
 )
+from bmoe.engine.aio import run as run_async
 from bmoe.engine.loader import read_io_bytes
 from bmoe.errors import BmoeError, ConfigError
 from bmoe.metrics.tokens import peak_rss_bytes
@@ -480,7 +480,7 @@ def child_main(spec_path: str, result_path: str) -> int:
         if spec["kind"] == "mmap":
             out = _mmap_child(spec)
         else:
-            out = asyncio.run(_bmoe_child(spec))
+            out = run_async(_bmoe_child(spec))
         out["peak_rss_bytes"] = peak_rss_bytes()  # VmHWM: ru_maxrss would carry the parent's peak
         code = 0
     except BmoeError as e:

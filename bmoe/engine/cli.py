@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from bmoe.bench.harness import add_bench_command
+from bmoe.engine.aio import run as run_async
 from bmoe.engine.config import MiB, RunConfig
 from bmoe.errors import BmoeError, ConfigError, first_error
 from bmoe.synth.big import add_synth_command
@@ -228,17 +229,9 @@ def _summary(r: dict) -> str:
     return line
 
 
-def _run_async(coro):  # noqa: ANN001, ANN202
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
 def _cmd_run(args: argparse.Namespace) -> int:
     config = _config(args)
-    result = _run_async(_generate(args.model, config, args.prompt, args.n_predict, echo=not args.json,
+    result = run_async(_generate(args.model, config, args.prompt, args.n_predict, echo=not args.json,
                                   progress=args.progress, csv_path=args.csv))
     if args.json:
         print(json.dumps(result))
@@ -295,7 +288,7 @@ def _fit(session, fmt, history, n: int) -> str:  # noqa: ANN001
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
-    _run_async(_chat(args.model, _config(args), args.system, args.n_predict))
+    run_async(_chat(args.model, _config(args), args.system, args.n_predict))
     return 0
 
 
@@ -319,7 +312,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     for overlap in args.overlap:
         for policy in args.policy:
             for mb in args.cache_mb:
-                r = _run_async(replay(trace, budget_bytes=int(mb * MiB), policy=policy, compute=compute,
+                r = run_async(replay(trace, budget_bytes=int(mb * MiB), policy=policy, compute=compute,
                                       io_threads=args.io_threads, model=layout, overlap=overlap,
                                       sim_dir=args.trace.resolve().parent))
                 results.append(r.as_dict())
@@ -437,7 +430,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         "streamed, cache auto": RunConfig(mode="stream", cache_bytes=None),
     }
     for name, config in runs.items():
-        r = _run_async(_generate(model, config.validate(), DEMO_PROMPT, args.n_predict, echo=False))
+        r = run_async(_generate(model, config.validate(), DEMO_PROMPT, args.n_predict, echo=False))
         results[name] = r
         print(f"{name}: {r['text']!r}")
         print(f"    {_summary(r)}")

@@ -13,18 +13,11 @@ from pathlib import Path
 
 from anyio.from_thread import start_blocking_portal
 
+from bmoe.engine.aio import loop_backend_options
 from bmoe.engine.config import RunConfig
 from bmoe.engine.session import Generation, Piece, Session
 from bmoe.errors import BmoeError
 from bmoe.pipeline.hooks import Hooks
-
-
-def loop_backend_options() -> dict[str, object]:
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        return {}
-    return {"use_uvloop": True}
 
 
 def _refuse_on_loop_thread() -> None:
