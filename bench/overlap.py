@@ -1,16 +1,18 @@
 """Overlap and read-ahead, measured side by side in one run, plus replay's what-if for a
 per-expert readiness hook.
 
-On one model and one cache budget (default: the 1 GB bench model, budget = half its expert bank,
-where a layer's reads and compute are of the same order), it runs in interleaved rounds: serial,
---overlap, --prefetch 1, --predict-prefetch, and --overlap with --prefetch 1; reports median decode
-tok/s and stall (compute thread blocked on reads) per token, each as a ratio to serial, and checks
-every configuration produced the serial tokens. Then it records a route trace of a serial run and
+On one model and one cache budget it runs in interleaved rounds: serial, --overlap, --prefetch 1,
+--predict-prefetch, and --overlap with each read-ahead; reports median decode tok/s, and per decode
+token the stall (compute thread blocked on reads) and the rest (compute), each tok/s as a ratio to
+serial, and checks every configuration produced the serial tokens. The default model is the
+benchmark generator's 8-layer qwen3-30b-a3b shape in q4_0 (3.3 GB, written once into the user
+cache directory) with a quarter of its expert bank as cache: there a token's reads and its compute
+take about as long as each other. Then it records a route trace of a serial run and
 replays it (real reads from the model, the trace's own compute timings) with --overlap none,
 tensor and expert, so the gain a per-expert hook would add over tensor overlap is predicted
 before anyone writes it. Nothing is asserted.
 
-    python bench/overlap.py [--model M] [--cache-mb N] [-n 48] [--rounds 3]
+    python bench/overlap.py [--model M] [--cache-mb N] [-n 32] [--rounds 3] [-t T] [--io-threads N]
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ from bmoe.engine.session import Session
 from bmoe.io.probe import cache_dir
 from bmoe.io.validate import open_layout
 from bmoe.pipeline.trace import read_trace
-from bmoe.synth.tiny import TinySpec, write_tiny
+from bmoe.synth.big import SynthSpec, write_synth
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and the experts stream from disk."
-DEFAULT = TinySpec(wtype="q8_0", n_layer=10, n_embd=1024, n_expert=64, n_expert_used=4, n_ff=512)
+DEFAULT = SynthSpec(like="qwen3-30b-a3b", n_layer=8, wtype="q4_0")
 
 
 async def run(path: Path, config: RunConfig, n: int) -> dict:
@@ -69,18 +71,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", type=Path)
     ap.add_argument("--cache-mb", type=float, default=None)
-    ap.add_argument("-n", type=int, default=48)
+    ap.add_argument("-n", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: every core)")
     ap.add_argument("--io-threads", type=int, default=2)
     ap.add_argument("--no-replay", action="store_true", help="skip the replay what-if")
     args = ap.parse_args()
-    path = args.model or cache_dir() / "bench" / "bmoe-bench-q8_0-l10-e1024-x64-k4-f512.gguf"
+    path = args.model or cache_dir() / "bench" / "synth-qwen3-30b-a3b-l8-q4_0.gguf"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_tiny(path, DEFAULT)
+        write_synth(path, DEFAULT)
     layout = open_layout(path)
-    budget = int(args.cache_mb * MiB) if args.cache_mb is not None else layout.expert_bytes // 2
+    budget = int(args.cache_mb * MiB) if args.cache_mb is not None else layout.expert_bytes // 4
     base = {"cache_bytes": budget, "io_threads": args.io_threads, "n_threads": args.threads}
     configs = {
         "serial": RunConfig(**base),
