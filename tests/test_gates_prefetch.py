@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 
 import pytest
 
 from bmoe.engine.config import MiB, RunConfig
 from bmoe.engine.session import Session
 from bmoe.errors import ConfigError
+from bmoe.pipeline.cache import ExpertCache, LruPolicy
+from bmoe.pipeline.channel import Channel
+from bmoe.pipeline.events import ReadAhead
+from bmoe.pipeline.hooks import Hooks
+from bmoe.pipeline.readiness import ReadinessBoard
+from bmoe.stages.bind import SimResidency
+from bmoe.stages.prefetch import PrefetchStage
 from bmoe.synth.tiny import TinySpec
 from tests.conftest import N_TOKENS, PROMPT
 
@@ -59,3 +67,25 @@ def test_predictive_prefetch_equals_resident_and_scores_itself(tiny, arch: str) 
     accuracy = stats.predict_accuracy_pct
     assert accuracy and set(accuracy) == {1, 2, 3}, "every layer after the first is predicted and scored"
     assert all(0 <= v <= 100 for v in accuracy.values())
+
+
+def test_read_ahead_from_the_fast_path_spares_the_layer_about_to_compute() -> None:
+    """An all-resident layer computes right after its read-ahead is planned: the read-ahead must
+    never make room by evicting that layer's experts."""
+    entry = {0: 100, 1: 100}
+    cache = ExpertCache(200, entry, LruPolicy())
+    residency = SimResidency(2, 8, entry)
+    stage = PrefetchStage(cache, residency, ReadinessBoard(), deque(), Hooks())
+    cache.plan(0, (1, 2))
+    residency.maps[0][[1, 2]] = True
+
+    async def go() -> None:
+        events, reads, binds = Channel(), Channel(), Channel()
+        task = asyncio.create_task(stage.run(events, reads, binds))
+        events.send_nowait(ReadAhead(1, (5,), frozenset({(0, 1), (0, 2)})))
+        events.close()
+        await task
+
+    asyncio.run(go())
+    assert residency.maps[0][1] and residency.maps[0][2] and cache.is_resident(0, 1)
+    assert not cache.is_resident(1, 5), "no room without evicting the layer being served"

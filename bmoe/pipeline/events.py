@@ -55,12 +55,14 @@ class RoutingEvent:
 
 @dataclass(frozen=True, eq=False)
 class ReadAhead:
-    """Experts a predictor expects ``layer`` to route: read them into the cache if room allows.
+    """Experts a predictor expects ``layer`` to route: read them into the cache if room allows,
+    never evicting ``serving`` (the experts of the layer about to compute, all resident).
     ``planned`` is set once admissions and evictions are done (the reads go on in the background):
     the compute thread waits for it, so no page is released while a matmul might be reading it."""
 
     layer: int
     experts: tuple[int, ...]
+    serving: frozenset[tuple[int, int]]
     planned: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
 
 

@@ -90,7 +90,7 @@ class RoutingGate:
             if self.tap is not None:
                 self.tap(self.step, self.phase, layer, rows, experts, resident, 0.0)
             if ahead is not None:
-                self.read_ahead(*ahead)
+                self._read_ahead(*ahead, frozenset((layer, e) for e in experts.tolist()))
             return
         loop, events = self._loop, self._events
         if loop is None or events is None:
@@ -129,19 +129,19 @@ class RoutingGate:
 
     def predict(self, layer: int, experts: np.ndarray) -> None:
         """Keep a prediction of a later layer's experts for the next routing to carry: with its
-        event if that layer misses, else alone (``read_ahead``). Experts already resident need
-        nothing, so a warm cache costs no round trip."""
+        event if that layer misses, else alone. Experts already resident need nothing, so a warm
+        cache costs no round trip."""
         missing = experts[~self._resident[layer][experts]]
         if missing.size:
             self._ahead = (layer, tuple(missing.tolist()))
 
-    def read_ahead(self, layer: int, experts: tuple[int, ...]) -> None:
+    def _read_ahead(self, layer: int, experts: tuple[int, ...], serving: frozenset[tuple[int, int]]) -> None:
         """Hand a prediction to the prefetch stage and wait until it is planned (not read): its
-        evictions must happen while this thread computes nothing."""
+        evictions must happen while this thread computes nothing, and spare the layer served."""
         loop, events = self._loop, self._events
         if loop is None or events is None or self.aborting:
             return
-        ahead = ReadAhead(layer, experts)
+        ahead = ReadAhead(layer, experts, serving)
         t0 = time.perf_counter()
         loop.call_soon_threadsafe(events.send_nowait, ahead)
         self._wait(ahead.planned, t0)

@@ -97,7 +97,7 @@ class PrefetchStage:
             async for event in events:
                 if isinstance(event, ReadAhead):
                     try:
-                        self._speculate([(event.layer, event.experts)], set(), reads)
+                        self._speculate([(event.layer, event.experts)], set(event.serving), reads)
                     finally:
                         event.planned.set_result(None)
                     continue
