@@ -92,6 +92,39 @@ def test_recycled_pages_change_no_token_and_leak_none(tiny, budget: int) -> None
     assert max(excess) <= 0, f"expert memory beyond the cache's account: {max(excess)} bytes"
 
 
+@pytest.mark.parametrize("how", ["map count too small", "kernel refuses the third move"])
+def test_without_recycling_tokens_and_memory_are_the_same(tiny, monkeypatch, how: str) -> None:
+    import bmoe.engine.streaming
+    import bmoe.stages.bind
+
+    if how == "map count too small":
+        monkeypatch.setattr(bmoe.engine.streaming, "map_count_limit", lambda: 10)
+    else:
+        real, calls = bmoe.stages.bind.move_pages, []
+
+        def flaky(src: int, dst: int, nbytes: int) -> bool:
+            calls.append(nbytes)
+            return len(calls) < 3 and real(src, dst, nbytes)
+
+        monkeypatch.setattr(bmoe.stages.bind, "move_pages", flaky)
+    path = tiny.path(BIG_EXPERTS)
+
+    async def go():  # noqa: ANN202
+        with Session.open(path, config(2 * MiB)) as s:
+            out = [piece.token async for piece in s.stream(PROMPT, N_TOKENS, stop_at_end=False)]
+            return out, s.last_stats, s.expert_memory_bytes() - s.resident_cache_bytes
+
+    tokens, stats, excess = asyncio.run(go())
+    assert tokens == tiny.resident_tokens(path)
+    assert stats.cache_evictions > 0
+    edges = 2 * 4096 * BIG_EXPERTS.n_layer * BIG_EXPERTS.n_expert * 3
+    assert excess <= edges, "released, not leaked"
+    if how == "map count too small":
+        assert stats.recycled_bytes == 0
+    else:
+        assert 0 < stats.recycled_bytes and len(calls) == 3, "recycling stopped at the first refusal"
+
+
 def test_shrinking_the_budget_to_zero_between_generations(tiny) -> None:
     path = tiny.path(BIG_EXPERTS)
 
