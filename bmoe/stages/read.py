@@ -1,6 +1,12 @@
 """Read: I/O lanes. Each request is a positioned read of one expert projection straight into its
 region slice, on a pool of lane threads (``os.preadv`` releases the GIL); each completion resolves
 that key's readiness future on the event loop.
+
+A lane takes its reads in batches, one thread hop per batch rather than per slice: the loop's work
+per hop (executor hand-off, future chaining, task switches) cost about as much CPU as the read
+itself on small slices, paid on the critical path of every missed layer. A batch is the lane's
+fair share of the queued run of one (layer, projection) - the unit overlap waits on - or the
+queued projections of one speculative expert.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from typing import Protocol
 
 from bmoe.errors import ReadError
 from bmoe.pipeline.channel import Channel
-from bmoe.pipeline.events import ExpertKey, ReadRequest
+from bmoe.pipeline.events import MAX_PROJ, ExpertKey, ReadRequest
 from bmoe.pipeline.hooks import Hooks
 from bmoe.pipeline.readiness import ReadinessBoard
 
@@ -55,6 +61,16 @@ class ReadStage:
         finally:
             self.counters.busy_s += time.perf_counter() - t0
 
+    def _read_batch(self, requests: list[ReadRequest]) -> list[int | Exception]:
+        """On a lane thread: each request's bytes, or the error that request alone ran into."""
+        out: list[int | Exception] = []
+        for request in requests:
+            try:
+                out.append(self._read(request))
+            except Exception as exc:  # noqa: BLE001 - delivered through that read's future
+                out.append(exc)
+        return out
+
     async def run(self, reads: Channel[tuple[ReadRequest, asyncio.Future[int]] | ExpertKey]) -> None:
         """Lanes pull real reads first and speculative ones only when no real read waits. A key
         sent alone promotes its queued speculative read (a real layer now needs it). When the
@@ -83,24 +99,45 @@ class ReadStage:
             spec.clear()
             wake.set()
 
+        idle = 0
+
+        def take() -> list[tuple[ReadRequest, asyncio.Future[int]]]:
+            if real:
+                group = real[0][0].key[:2]  # (layer, projection)
+                run = 0
+                for request, _ in real:
+                    if request.key[:2] != group:
+                        break
+                    run += 1
+                return [real.popleft() for _ in range(-(-run // (idle + 1)))]
+            layer, _, expert = next(iter(spec))
+            keys = [ExpertKey(layer, p, expert) for p in range(MAX_PROJ)]
+            return [spec.pop(k) for k in keys if k in spec]
+
         async def lane() -> None:
+            nonlocal idle
             while True:
-                if real:
-                    request, ready = real.popleft()
-                elif spec:
-                    request, ready = spec.pop(next(iter(spec)))
+                if real or spec:
+                    batch = take()
                 elif closed:
                     return
                 else:
                     wake.clear()
-                    await wake.wait()
+                    idle += 1
+                    try:
+                        await wake.wait()
+                    finally:
+                        idle -= 1
                     continue
                 try:
-                    n = await loop.run_in_executor(self._lanes, self._read, request)
-                except Exception as exc:  # noqa: BLE001 - delivered through the readiness future
-                    self._fail(request, ready, exc)
-                else:
-                    self._landed(request, ready, n)
+                    outcomes = await loop.run_in_executor(self._lanes, self._read_batch, [r for r, _ in batch])
+                except Exception as exc:  # noqa: BLE001 - the hand-off itself failed: every read did
+                    outcomes = [exc] * len(batch)
+                for (request, ready), outcome in zip(batch, outcomes):
+                    if isinstance(outcome, Exception):
+                        self._fail(request, ready, outcome)
+                    else:
+                        self._landed(request, ready, outcome)
 
         async with asyncio.TaskGroup() as tg:
             tg.create_task(feed())
