@@ -6,8 +6,8 @@ On one model and one cache budget it runs in interleaved rounds: serial, --overl
 token the stall (compute thread blocked on reads) and the rest (compute), each tok/s as a ratio to
 serial, and checks every configuration produced the serial tokens. The default model is the
 benchmark generator's 8-layer qwen3-30b-a3b shape in q4_0 (3.3 GB, written once into the user
-cache directory) with a quarter of its expert bank as cache: there a token's reads and its compute
-take about as long as each other. Then it records a route trace of a serial run and
+cache directory) with an eighth of its expert bank as cache: there a serial token's stall on reads
+and its compute take about as long as each other (59 and 48 ms at 300 MiB, `docs/facts.md`). Then it records a route trace of a serial run and
 replays it (real reads from the model, the trace's own compute timings) with --overlap none,
 tensor and expert, so the gain a per-expert hook would add over tensor overlap is predicted
 before anyone writes it. Nothing is asserted.
@@ -82,7 +82,7 @@ def main() -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_synth(path, DEFAULT)
     layout = open_layout(path)
-    budget = int(args.cache_mb * MiB) if args.cache_mb is not None else layout.expert_bytes // 4
+    budget = int(args.cache_mb * MiB) if args.cache_mb is not None else layout.expert_bytes // 8
     base = {"cache_bytes": budget, "io_threads": args.io_threads, "n_threads": args.threads}
     configs = {
         "serial": RunConfig(**base),
