@@ -9,10 +9,10 @@ import pytest
 
 from bmoe.engine.config import MiB, RunConfig
 from bmoe.engine.session import Session
-from bmoe.errors import ConfigError
+from bmoe.errors import ConfigError, ReadError
 from bmoe.pipeline.cache import ExpertCache, LruPolicy
 from bmoe.pipeline.channel import Channel
-from bmoe.pipeline.events import ReadAhead
+from bmoe.pipeline.events import PHASE_DECODE, ReadAhead, RoutingEvent
 from bmoe.pipeline.hooks import Hooks
 from bmoe.pipeline.readiness import ReadinessBoard
 from bmoe.stages.bind import SimResidency
@@ -89,3 +89,31 @@ def test_read_ahead_from_the_fast_path_spares_the_layer_about_to_compute() -> No
     asyncio.run(go())
     assert residency.maps[0][1] and residency.maps[0][2] and cache.is_resident(0, 1)
     assert not cache.is_resident(1, 5), "no room without evicting the layer being served"
+
+
+def test_a_late_failure_of_an_abandoned_read_leaves_the_newer_copy_alone() -> None:
+    """A read-ahead evicted while its read was in flight, then read again for real: when the old
+    read fails afterwards, the expert read since must stay resident and in the cache."""
+    entry = {0: 100, 1: 100}
+    cache = ExpertCache(100, entry, LruPolicy())  # room for one expert
+    residency = SimResidency(2, 8, entry)
+    board = ReadinessBoard()
+    stage = PrefetchStage(cache, residency, board, deque(), Hooks())
+
+    async def go() -> None:
+        events, reads, binds = Channel(), Channel(), Channel()
+        task = asyncio.create_task(stage.run(events, reads, binds))
+        events.send_nowait(ReadAhead(1, (5,), frozenset()))
+        events.send_nowait(RoutingEvent(1, (6,), 0, PHASE_DECODE))  # 5 guessed wrong, evicted for 6
+        events.send_nowait(RoutingEvent(1, (5,), 1, PHASE_DECODE))  # 5 read again, for real
+        events.close()
+        await task
+        (old_request, old), _, (new_request, new) = [item async for item in reads]
+        assert old_request.speculative and not new_request.speculative
+        board.complete(new_request.key, new, new_request.nbytes, None)
+        residency.maps[1][5] = True  # what the bind stage does once the read landed
+        board.complete(old_request.key, old, None, ReadError("the abandoned read failed late"))
+        await asyncio.sleep(0)
+
+    asyncio.run(go())
+    assert cache.is_resident(1, 5) and residency.maps[1][5]

@@ -58,6 +58,9 @@ class PrefetchStage:
         self._last: dict[int, tuple[int, ...]] = {}  # layer -> experts it routed last time
         self._moe_layers: list[int] = []
         self.predictor: Predictor | None = None  # scored here against the real routing
+        # Admissions per entry: a failed read undoes only the admission it was issued for, never
+        # a later one of the same expert read since.
+        self._admissions: dict[tuple[int, int], int] = {}
 
     def account_fast_hits(self) -> None:
         """Plan the layers the routing gate served alone because all were resident, in order: the
@@ -70,7 +73,9 @@ class PrefetchStage:
     def _plan(self, layer: int, routed: tuple[int, ...]) -> Plan:
         """Plan one routed layer, release what it evicts, and remember what it routed."""
         plan = self._cache.plan(layer, routed)
-        self.evict(plan.evictions, [(layer, e) for e in plan.misses])
+        admitted = [(layer, e) for e in plan.misses]
+        self._admit(admitted)
+        self.evict(plan.evictions, admitted)
         self._last[layer] = routed
         if self.predictor is not None:
             self.predictor.score(layer, routed)
@@ -151,6 +156,8 @@ class PrefetchStage:
         for il, experts in ahead:
             for e in experts:
                 admitted, evicted = self._cache.speculate((il, e), protect)
+                if admitted:
+                    self._admit([(il, e)])
                 self.evict(evicted, [(il, e)] if admitted else None)
                 if not admitted:
                     continue
@@ -160,7 +167,8 @@ class PrefetchStage:
     def _issue(self, request: ReadRequest, expert: int, reads: Channel) -> asyncio.Future[int]:
         """Send one read with its readiness future; a failed read leaves no trace in the cache."""
         fut = self._board.expect(request.key)
-        fut.add_done_callback(self._forget_on_failure(request.key.layer, expert))
+        entry = (request.key.layer, expert)
+        fut.add_done_callback(self._forget_on_failure(entry, self._admissions[entry]))
         reads.send_nowait((request, fut))
         return fut
 
@@ -178,11 +186,16 @@ class PrefetchStage:
     def _order(self, layer: int, n_proj: int) -> tuple[int, ...]:
         return self.consumption.get(layer) or tuple(range(n_proj))
 
-    def _forget_on_failure(self, layer: int, expert: int):  # noqa: ANN202
+    def _admit(self, entries: list[tuple[int, int]]) -> None:
+        for entry in entries:
+            self._admissions[entry] = self._admissions.get(entry, 0) + 1
+
+    def _forget_on_failure(self, entry: tuple[int, int], admission: int):  # noqa: ANN202
         def done(fut) -> None:  # noqa: ANN001
-            if fut.cancelled() or fut.exception() is not None:
-                self._cache.discard((layer, expert))
-                self._residency.release(layer, expert)
+            failed = fut.cancelled() or fut.exception() is not None
+            if failed and self._admissions[entry] == admission:
+                self._cache.discard(entry)
+                self._residency.release(*entry)
 
         return done
 
