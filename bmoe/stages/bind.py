@@ -5,8 +5,8 @@ every byte it routes to is in place.
 ``base + e*stride`` so ``mul_mat_id`` indexes it unchanged; rebinding ``->data`` once at open and
 restoring the original pointers before the regions are freed; handing an evicted expert's pages to
 the experts about to be read, or releasing them; and the per-layer resident maps the eval
-callback's fast path reads. The bind stage waits for a
-layer's readiness futures, marks its experts resident and replies to the waiting callback.
+callback's fast path reads. The bind stage waits for a layer's readiness futures, marks its
+experts resident and replies to the waiting callback.
 """
 
 from __future__ import annotations
