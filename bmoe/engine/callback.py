@@ -144,8 +144,9 @@ class EvalCallback:
         x = GgmlTensor.from_address(t.src[1])  # the router input: F32 [n_embd, n_tokens]
         n_embd, rows = x.ne[0], x.ne[1]
         last = np.ndarray((n_embd,), np.float32, (ctypes.c_char * (n_embd * 4)).from_address(x.data + (rows - 1) * x.nb[1]))
-        predicted = self.predictor.predict(int(t.name[_LOGITS_NAME_LEN:]), last)  # type: ignore[union-attr]
-        if predicted is not None:
+        predictor = self.predictor
+        predicted = predictor.predict(int(t.name[_LOGITS_NAME_LEN:]), last)  # type: ignore[union-attr]
+        if predicted is not None and predictor.trusted(predicted[0]):  # type: ignore[union-attr]
             self.gate.predict(*predicted)
         return True
 

@@ -12,6 +12,7 @@ layer then really chooses, per layer.
 from __future__ import annotations
 
 import os
+from collections import deque
 
 import numpy as np
 from gguf import GGMLQuantizationType
@@ -39,11 +40,21 @@ def load_routers(layout: ModelLayout) -> dict[int, np.ndarray]:
 
 
 class Predictor:
-    """Predicts and scores; ``predict`` runs on the compute thread, ``score`` on the loop."""
+    """Predicts and scores; ``predict`` runs on the compute thread, ``score`` on the loop.
+
+    A layer's predictions are read ahead only while they have recently been right often enough
+    (``trusted``): a wrong guess costs a read and the CPU to make it, and at 61 % accuracy read-ahead
+    lost 15 % of the tok/s while at 100 % it gained 13 to 23 % (``docs/facts.md``). The bar sits
+    between those two measurements; it is not tuned. Untrusted layers are still predicted and
+    scored, so a layer whose guesses improve is trusted again."""
+
+    TRUST_PCT = 80.0
+    RECENT = 8  # predictions per layer the trust looks back on
 
     def __init__(self, routers: dict[int, np.ndarray], k: int) -> None:
         self._routers = routers
         self._k = k
+        self._recent: dict[int, deque[tuple[int, int]]] = {}  # layer -> (right, routed) per prediction
         layers = sorted(routers)
         self._next = dict(zip(layers, layers[1:]))
         self._pending: dict[int, np.ndarray] = {}  # layer -> predicted experts, until scored
@@ -64,8 +75,19 @@ class Predictor:
         predicted = self._pending.pop(layer, None)
         if predicted is None:
             return
-        self.correct[layer] = self.correct.get(layer, 0) + len(set(predicted.tolist()) & set(routed))
+        right = len(set(predicted.tolist()) & set(routed))
+        self.correct[layer] = self.correct.get(layer, 0) + right
         self.total[layer] = self.total.get(layer, 0) + len(routed)
+        self._recent.setdefault(layer, deque(maxlen=self.RECENT)).append((right, len(routed)))
+
+    def trusted(self, layer: int) -> bool:
+        """Whether to read ahead what is predicted for ``layer``: yes until there is evidence."""
+        recent = self._recent.get(layer)
+        if not recent or len(recent) < self.RECENT // 2:
+            return True
+        right = sum(r for r, _ in recent)
+        routed = sum(n for _, n in recent)
+        return 100.0 * right >= self.TRUST_PCT * routed
 
     def accuracy_pct(self) -> dict[int, float]:
         return {il: 100.0 * self.correct[il] / n for il, n in sorted(self.total.items()) if n}

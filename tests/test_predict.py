@@ -1,0 +1,25 @@
+"""The predictor's bookkeeping alone: no model, no llama.cpp."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from bmoe.stages.predict import Predictor
+
+
+def test_predictions_are_trusted_only_while_recently_right() -> None:
+    routers = {0: np.eye(4, dtype=np.float32), 1: np.eye(4, dtype=np.float32)}
+    p = Predictor(routers, k=1)
+    x = np.array([0, 0, 1, 0], dtype=np.float32)  # layer 1's router picks expert 2
+    assert p.trusted(1), "no evidence yet: read ahead"
+    for _ in range(Predictor.RECENT):
+        layer, top = p.predict(0, x)
+        assert layer == 1 and top.tolist() == [2]
+        p.score(1, (3,))  # wrong every time
+    assert not p.trusted(1)
+    for _ in range(Predictor.RECENT):
+        p.predict(0, x)
+        p.score(1, (2,))  # right again
+    assert p.trusted(1), "a layer whose guesses improve is trusted again"
+    assert p.accuracy_pct() == {1: 50.0}
+
