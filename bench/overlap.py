@@ -7,12 +7,12 @@ token the stall (compute thread blocked on reads) and the rest (compute), each t
 serial, and checks every configuration produced the serial tokens. The default model is the
 benchmark generator's 8-layer qwen3-30b-a3b shape in q4_0 (3.3 GB, written once into the user
 cache directory) with an eighth of its expert bank as cache: there a serial token's stall on reads
-and its compute take about as long as each other (59 and 48 ms at 300 MiB, `docs/facts.md`). Then it records a route trace of a serial run and
-replays it (real reads from the model, the trace's own compute timings) with --overlap none,
-tensor and expert, so the gain a per-expert hook would add over tensor overlap is predicted
-before anyone writes it. Nothing is asserted.
+and its compute take about as long as each other (44 and 48 ms, `docs/facts.md`). Then it records
+a route trace of a serial run and replays it (real reads from the model, the trace's own compute
+timings) with --overlap none, tensor and expert, so the gain a per-expert hook would add over
+tensor overlap is predicted before anyone writes it. Nothing is asserted.
 
-    python bench/overlap.py [--model M] [--cache-mb N] [-n 32] [--rounds 3] [-t T] [--io-threads N]
+    python bench/overlap.py [--model M] [--cache-mb N] [-n 32] [--rounds 3] [-t T] [--io-threads N] [--no-replay]
 """
 
 from __future__ import annotations

@@ -86,7 +86,8 @@ class PrefetchStage:
         read into them is still in flight (a speculative one): those are only released."""
         quiet = []
         for layer, expert in entries:
-            if any(self._board.future(ExpertKey(layer, p, expert)) is not None for p in range(self._residency.n_proj(layer))):
+            keys = (ExpertKey(layer, p, expert) for p in range(self._residency.n_proj(layer)))
+            if any(self._board.future(key) is not None for key in keys):
                 self._residency.release(layer, expert)
             else:
                 quiet.append((layer, expert))
