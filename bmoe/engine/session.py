@@ -2,8 +2,9 @@
 
 Open validates the file in Python, opens it the cheapest way that works here, finds the expert
 tensors (from the cheap open's tensor callback, or a one-token warm-up), and when streaming
-rebinds them to reserved regions that the pipeline fills on demand. ``stream`` is the async core every front uses: it owns one generation, yields text pieces
-with their token ids, and leaves the session usable when the consumer cancels.
+rebinds them to reserved regions that the pipeline fills on demand. ``stream`` is the async core
+every front uses: it owns one generation, yields text pieces with their token ids, and leaves the
+session usable when the consumer cancels.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ def resident_bytes_of(addr: int, nbytes: int) -> int:
     """Bytes of the pages covering [addr, addr + nbytes) that are in RAM (mincore; for a file
     mapping, whether the page is in the page cache). A measurement: allocates."""
     lo = addr // _PAGE * _PAGE
-    hi = -(-(addr + nbytes) // _PAGE) * _PAGE
+    hi = align_up(addr + nbytes, _PAGE)
     pages = (hi - lo) // _PAGE
     if pages == 0:
         return 0

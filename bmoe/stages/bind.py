@@ -115,22 +115,26 @@ class Residency:
         for layer, expert in evicted:
             self.maps[layer][expert] = False
             donors.extend([lo, hi] for lo, hi in self._pages(layer, expert) if hi > lo)
-        if self.recycle:
-            for layer, expert in needed:
-                for lo, hi in self._pages(layer, expert):
-                    while lo < hi and donors and self.recycle:
-                        donor = donors[0]
-                        n = min(hi - lo, donor[1] - donor[0])
-                        if not move_pages(donor[0], lo, n):
-                            self.recycle = False  # refused once (old kernel, map count): fault from now on
-                            break
-                        donor[0] += n
-                        lo += n
-                        self.recycled_bytes += n
-                        if donor[0] == donor[1]:
-                            donors.popleft()
+        for layer, expert in needed:
+            for lo, hi in self._pages(layer, expert):
+                if self.recycle:
+                    self._move_into(lo, hi, donors)
         for lo, hi in donors:
             release_pages(lo, hi)
+
+    def _move_into(self, lo: int, hi: int, donors: deque[list[int]]) -> None:
+        """Fill the pages [lo, hi) from the front of ``donors``, splitting a donor run as needed."""
+        while lo < hi and donors:
+            donor = donors[0]
+            n = min(hi - lo, donor[1] - donor[0])
+            if not move_pages(donor[0], lo, n):
+                self.recycle = False  # refused once (old kernel, map count): fault from now on
+                return
+            donor[0] += n
+            lo += n
+            self.recycled_bytes += n
+            if donor[0] == donor[1]:
+                donors.popleft()
 
     def resident_bytes(self) -> int:
         """Bytes of all regions in RAM now (a measurement: allocates)."""

@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import replace
 from functools import partial
 
@@ -73,17 +74,18 @@ class PrefetchStage:
     def _plan(self, layer: int, routed: tuple[int, ...]) -> Plan:
         """Plan one routed layer, release what it evicts, and remember what it routed."""
         plan = self._cache.plan(layer, routed)
-        admitted = [(layer, e) for e in plan.misses]
-        self._admit(admitted)
-        self.evict(plan.evictions, admitted)
+        self.evict(plan.evictions, [(layer, e) for e in plan.misses])
         self._last[layer] = routed
         if self.predictor is not None:
             self.predictor.score(layer, routed)
         return plan
 
-    def evict(self, entries: tuple[tuple[int, int], ...], needed: list[tuple[int, int]] | None = None) -> None:
-        """Evict ``entries``: their pages go to the ``needed`` slots about to be read, unless a
-        read into them is still in flight (a speculative one): those are only released."""
+    def evict(self, entries: tuple[tuple[int, int], ...], admitted: Sequence[tuple[int, int]] = ()) -> None:
+        """Evict ``entries`` and make way for ``admitted``, the entries about to be read: evicted
+        pages go to their slots, unless a read into them is still in flight (a speculative one):
+        those are only released. Each admission is counted, so a failed read undoes only its own."""
+        for entry in admitted:
+            self._admissions[entry] = self._admissions.get(entry, 0) + 1
         quiet = []
         for layer, expert in entries:
             keys = (ExpertKey(layer, p, expert) for p in range(self._residency.n_proj(layer)))
@@ -91,7 +93,7 @@ class PrefetchStage:
                 self._residency.release(layer, expert)
             else:
                 quiet.append((layer, expert))
-        self._residency.reuse(quiet, needed or [])
+        self._residency.reuse(quiet, admitted)
 
     async def run(
         self,
@@ -157,9 +159,7 @@ class PrefetchStage:
         for il, experts in ahead:
             for e in experts:
                 admitted, evicted = self._cache.speculate((il, e), protect)
-                if admitted:
-                    self._admit([(il, e)])
-                self.evict(evicted, [(il, e)] if admitted else None)
+                self.evict(evicted, [(il, e)] if admitted else ())
                 if not admitted:
                     continue
                 for request in self._residency.requests(il, e):
@@ -186,10 +186,6 @@ class PrefetchStage:
 
     def _order(self, layer: int, n_proj: int) -> tuple[int, ...]:
         return self.consumption.get(layer) or tuple(range(n_proj))
-
-    def _admit(self, entries: list[tuple[int, int]]) -> None:
-        for entry in entries:
-            self._admissions[entry] = self._admissions.get(entry, 0) + 1
 
     def _forget_on_failure(self, entry: tuple[int, int], admission: int):  # noqa: ANN202
         def done(fut) -> None:  # noqa: ANN001

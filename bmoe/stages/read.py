@@ -16,6 +16,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import takewhile
 from typing import Protocol
 
 from bmoe.errors import ReadError
@@ -104,11 +105,7 @@ class ReadStage:
         def take() -> list[tuple[ReadRequest, asyncio.Future[int]]]:
             if real:
                 group = real[0][0].key[:2]  # (layer, projection)
-                run = 0
-                for request, _ in real:
-                    if request.key[:2] != group:
-                        break
-                    run += 1
+                run = sum(1 for _ in takewhile(lambda item: item[0].key[:2] == group, real))
                 return [real.popleft() for _ in range(-(-run // (idle + 1)))]
             layer, _, expert = next(iter(spec))
             keys = [ExpertKey(layer, p, expert) for p in range(MAX_PROJ)]
