@@ -20,8 +20,8 @@ from pathlib import Path
 
 from bmoe.engine.aio import run as run_async
 from bmoe.engine.config import MiB, RunConfig
-from bmoe.engine.loader import evict_file_cache
 from bmoe.engine.session import Session
+from bmoe.io.pagecache import evict_file_cache
 from bmoe.io.probe import cache_dir
 from bmoe.io.validate import open_layout
 from bmoe.metrics.tokens import peak_rss_bytes

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bmoe.pipeline.policies import SimResult, simulate
+from bmoe.pipeline.simulate import SimResult, simulate
 from bmoe.pipeline.trace import default_trace_path, read_trace
 
 MiB = 1 << 20

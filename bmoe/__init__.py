@@ -1,3 +1,5 @@
 """bmoe: run Mixture-of-Experts GGUF models bigger than RAM by reading routed experts from disk."""
 
-__version__ = "0.1.0"
+from bmoe._version import __version__
+
+__all__ = ["__version__"]

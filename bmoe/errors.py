@@ -20,6 +20,7 @@ of them into a one-line message and exit status 1.
     +-- ReadError                 an expert read failed or came back short
     +-- BudgetError               a memory budget that cannot be honoured
     +-- ConfigError               a RunConfig value out of range
+    |   +-- OutputPathError       an output path that is an input, a folder, or not writable
     +-- DecodeAbortedError        a decode was stopped; its tokens were not emitted
         +-- GenerationCancelled   the caller cancelled the generation
 """
@@ -88,6 +89,10 @@ class BudgetError(BmoeError):
 
 
 class ConfigError(BmoeError):
+    pass
+
+
+class OutputPathError(ConfigError):
     pass
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from bmoe.errors import BudgetError
-from bmoe.pipeline.cache import ExpertCache, LruPolicy, make_policy
+from bmoe.errors import BudgetError, ConfigError
+from bmoe.pipeline.cache import ExpertCache
+from bmoe.pipeline.policies import LruPolicy, make_policy
 
 ENTRY = {0: 100, 1: 100, 2: 100}
 
@@ -86,5 +87,5 @@ def test_read_ahead_left_by_an_aborted_step_is_stale_after_trim() -> None:
 
 
 def test_unknown_policy_is_a_clear_error() -> None:
-    with pytest.raises(BudgetError, match="unknown cache policy"):
+    with pytest.raises(ConfigError, match="unknown cache policy"):
         make_policy("nope")

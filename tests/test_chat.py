@@ -31,7 +31,7 @@ def test_without_a_template_a_plain_transcript_is_used() -> None:
 def test_chat_cli_two_turns_with_a_warm_cache(tiny) -> None:
     path = tiny.path(TinySpec(n_embd=256, n_ff=256, n_layer=3))
     proc = subprocess.run(
-        [sys.executable, "-m", "bmoe.engine.cli", "chat", "-m", str(path), "-n", "8", "--cache-mb", "64", "-c", "512"],
+        [sys.executable, "-m", "bmoe.cli", "chat", "-m", str(path), "-n", "8", "--cache-mb", "64", "-c", "512"],
         input="hello there, how are you today?\nand again, the same words please\n",
         capture_output=True, text=True, timeout=120,
     )

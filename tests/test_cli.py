@@ -16,7 +16,7 @@ from tests.conftest import PROMPT
 
 def bmoe(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "bmoe.engine.cli", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "bmoe.cli", *args], capture_output=True, text=True, timeout=120
     )
 
 

@@ -8,14 +8,11 @@ import numpy as np
 import pytest
 
 from bmoe.engine.callback import EvalCallback
-from bmoe.engine.ggml import GgmlTensor
-from bmoe.engine.loader import (
-    capture_weights,
-    evict_file_cache,
-    open_model,
-)
+from bmoe.engine.loader import capture_weights, open_model
 from bmoe.engine.seam import LlamaModel
+from bmoe.io.ggml import GgmlTensor
 from bmoe.io.layout import read_layout
+from bmoe.io.pagecache import evict_file_cache
 from bmoe.io.regions import resident_bytes_of
 from bmoe.pipeline.gate import RoutingGate
 from bmoe.stages.dense import ALIGN, AnonDense
@@ -35,7 +32,7 @@ def test_anon_dense_generates_the_same(tmp_path: Path, arch: str, wtype: str) ->
     layout = read_layout(write_tiny(tmp_path / "tiny.gguf", TinySpec(arch=arch, wtype=wtype, n_embd=256))[0])
     evict_file_cache(layout.shards)  # written back: the released pages can leave the page cache
     opened = open_model(layout, streaming=False, mode="mmap")
-    model = LlamaModel(n_ctx=128, n_threads=2, callback=EvalCallback(RoutingGate()), install=False, opened=opened)
+    model = LlamaModel(opened, n_ctx=128, n_threads=2, callback=EvalCallback(RoutingGate()), install=False)
     try:
         logits0, tokens0 = generate(model)
         expert_names = {et.span.name for et in layout.experts.values()}

@@ -164,7 +164,7 @@ def test_csv_header_carries_the_configuration_and_one_row_per_token(tiny, tmp_pa
     path = tiny.path(BIG_EXPERTS)
     out = tmp_path / "m.csv"
     proc = subprocess.run(
-        [sys.executable, "-m", "bmoe.engine.cli", "run", "-m", str(path), "-p", PROMPT, "-n", "10",
+        [sys.executable, "-m", "bmoe.cli", "run", "-m", str(path), "-p", PROMPT, "-n", "10",
          "--cache-mb", "2", "--csv", str(out), "-c", "256", "--json"],
         capture_output=True, text=True, timeout=120,
     )

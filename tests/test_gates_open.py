@@ -8,8 +8,8 @@ import asyncio
 import pytest
 
 from bmoe.engine.config import RunConfig
-from bmoe.engine.loader import evict_file_cache
 from bmoe.engine.session import Session
+from bmoe.io.pagecache import evict_file_cache
 from bmoe.synth.tiny import TinySpec
 from tests.conftest import PROMPT, generate_tokens
 

@@ -10,10 +10,11 @@ import pytest
 from bmoe.engine.config import MiB, RunConfig
 from bmoe.engine.session import Session
 from bmoe.errors import ConfigError, ReadError
-from bmoe.pipeline.cache import ExpertCache, LruPolicy
+from bmoe.pipeline.cache import ExpertCache
 from bmoe.pipeline.channel import Channel
 from bmoe.pipeline.events import PHASE_DECODE, ReadAhead, RoutingEvent
 from bmoe.pipeline.hooks import Hooks
+from bmoe.pipeline.policies import LruPolicy
 from bmoe.pipeline.readiness import ReadinessBoard
 from bmoe.stages.bind import SimResidency
 from bmoe.stages.prefetch import PrefetchStage

@@ -12,22 +12,24 @@ import numpy as np
 import pytest
 
 from bmoe.engine.callback import EvalCallback
-from bmoe.engine.ggml import GgmlTensor
 from bmoe.engine.loader import (
     OpenedModel,
     UserPathUnsupported,
     capture_weights,
     choose_open_mode,
-    evict_file_cache,
-    mapping_spans,
     open_model,
-    read_io_bytes,
-    release_file_pages,
     user_alloc_bytes,
 )
 from bmoe.engine.seam import LlamaModel
 from bmoe.errors import SeamError
+from bmoe.io.ggml import GgmlTensor
 from bmoe.io.layout import ModelLayout, read_layout
+from bmoe.io.pagecache import (
+    evict_file_cache,
+    mapping_spans,
+    read_io_bytes,
+    release_file_pages,
+)
 from bmoe.io.regions import resident_bytes_of
 from bmoe.pipeline.gate import RoutingGate
 from bmoe.stages.bind import Residency
@@ -48,7 +50,7 @@ def greedy(opened: OpenedModel, n: int = N_TOKENS, *, keep: bool = False) -> tup
     """Logits after the prompt and ``n`` greedy tokens, on a context of its own. Frees the model
     unless ``keep``."""
     owned = opened if not keep else OpenedModel(opened.model, opened.open_mode, opened.open_reason, None)
-    model = LlamaModel(n_ctx=128, n_threads=2, callback=EvalCallback(RoutingGate()), install=False, opened=owned)
+    model = LlamaModel(owned, n_ctx=128, n_threads=2, callback=EvalCallback(RoutingGate()), install=False)
     try:
         return greedy_on(model, n, PROMPT)
     finally:

@@ -82,7 +82,7 @@ def test_replay_cli_json_plot_and_bad_input(traced, tmp_path: Path) -> None:  # 
     path, trace_path, _ = traced
     plot = tmp_path / "r.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "bmoe.engine.cli", "replay", str(trace_path), "-m", str(path),
+        [sys.executable, "-m", "bmoe.cli", "replay", str(trace_path), "-m", str(path),
          "--cache-mb", "0,2,64", "--policy", "lru,opt", "--json", "--plot", str(plot),
          "--compute-ms-per-layer", "0"],
         capture_output=True, text=True, timeout=120,
@@ -98,7 +98,7 @@ def test_replay_cli_json_plot_and_bad_input(traced, tmp_path: Path) -> None:  # 
     assert plot.stat().st_size > 10_000
     other = write_tiny(tmp_path / "other.gguf", TinySpec(n_layer=2))[0]
     bad = subprocess.run(
-        [sys.executable, "-m", "bmoe.engine.cli", "replay", str(trace_path), "-m", str(other), "--cache-mb", "1"],
+        [sys.executable, "-m", "bmoe.cli", "replay", str(trace_path), "-m", str(other), "--cache-mb", "1"],
         capture_output=True, text=True, timeout=120,
     )
     assert bad.returncode == 1 and "does not match the trace" in bad.stderr

@@ -64,8 +64,10 @@ from bmoe.bench.balloon import (
     plan_balloon,
 )
 from bmoe.engine.aio import run as run_async
-from bmoe.engine.loader import read_io_bytes
 from bmoe.errors import BmoeError, ConfigError
+from bmoe.io.layout import split_shard_paths
+from bmoe.io.pagecache import read_io_bytes
+from bmoe.io.paths import check_output, check_output_dir
 from bmoe.metrics.tokens import peak_rss_bytes
 from bmoe.pipeline.budget import read_meminfo
 
@@ -167,6 +169,11 @@ class BenchOptions:
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
+    inputs = (args.model, *split_shard_paths(args.model))
+    if args.plot is not None:
+        check_output(args.plot, "--plot", inputs)
+    if args.out is not None:
+        check_output_dir(args.out, "--out", inputs)
     opts = BenchOptions.from_args(args).validate()
     result = run_bench(opts, log=_stderr_log)
     if args.json:
@@ -273,7 +280,7 @@ def plan_runs(layout: Any, opts: BenchOptions, available: int) -> list[Run]:
 
 def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda _l: None) -> dict[str, Any]:
     """Measure everything, write the report files, return the JSON object."""
-    from bmoe.engine.loader import evict_file_cache
+    from bmoe.io.pagecache import evict_file_cache
     from bmoe.io.probe import measure
     from bmoe.io.validate import open_layout
 

@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from bmoe.engine.ggml import NAME_OFFSET, SRC_OFFSET, GgmlTensor
 from bmoe.errors import BmoeError, DecodeAbortedError
+from bmoe.io.ggml import NAME_OFFSET, SRC_OFFSET, GgmlTensor
 from bmoe.pipeline.events import PHASE_DECODE
 from bmoe.pipeline.gate import RoutingGate
 from bmoe.stages.predict import Predictor

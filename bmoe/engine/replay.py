@@ -18,12 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
-from bmoe.engine.recipes import recipe_for
 from bmoe.engine.streaming import Streamer, open_reader, recycling_fits
 from bmoe.errors import BmoeError, DecodeAbortedError
 from bmoe.io.direct import ShardReader
 from bmoe.io.layout import ModelLayout
 from bmoe.io.probe import SimReader, cached_probe
+from bmoe.io.recipes import recipe_for
 from bmoe.pipeline.budget import Budget
 from bmoe.pipeline.cache import ExpertCache
 from bmoe.pipeline.events import PHASE_DECODE

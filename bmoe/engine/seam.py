@@ -3,9 +3,9 @@
 Everything bmoe asks of llama.cpp goes through this module, so a pin bump has one place to review
 (third_party/llama.cpp/SEAM.md lists the contract). Failure codes become LlamaCallError here.
 The model is loaded with ``use_extra_bufts=False``: expert weights must keep the gguf layout,
-because their bytes are read straight from the file into rebound memory. ``LlamaModel`` either
-loads the file itself (plain mmap load) or takes a model ``bmoe.engine.loader.open_model`` opened
-(``init_from_user`` with only the dense bytes read, or mmap).
+because their bytes are read straight from the file into rebound memory. ``LlamaModel`` takes a
+model that ``bmoe.engine.loader.open_model`` opened (``init_from_user`` with only the dense bytes
+read, or mmap) and owns it from then on.
 """
 
 from __future__ import annotations
@@ -13,16 +13,20 @@ from __future__ import annotations
 import ctypes
 import os
 from functools import cache
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 
 from bmoe.engine.callback import EvalCallback
 from bmoe.errors import DecodeAbortedError, LlamaCallError
 
-if TYPE_CHECKING:
-    from bmoe.engine.loader import OpenedModel
+
+class OwnedModel(Protocol):
+    """A loaded ``llama_model`` handed over to a ``LlamaModel`` (``loader.OpenedModel``)."""
+
+    model: Any  # llama_cpp.llama_model_p
+
+    def free(self) -> None: ...
 
 LOAD_MODE_MMAP = 1
 GGML_LOG_LEVEL_ERROR = 4
@@ -63,29 +67,19 @@ class LlamaModel:
     """A loaded model and one context on it, with bmoe's callbacks installed."""
 
     def __init__(
-        self, path: Path | None = None, *, n_ctx: int, n_threads: int, callback: EvalCallback,
-        install: bool, opened: OpenedModel | None = None,
+        self, opened: OwnedModel, *, n_ctx: int, n_threads: int, callback: EvalCallback, install: bool,
     ) -> None:
         """``install=False`` leaves llama.cpp without bmoe's eval and abort callbacks (plain
         resident runs): both are Python calls per graph node, which a baseline must not pay.
 
-        Either ``path`` (a plain mmap load here) or ``opened`` (a model from
-        ``bmoe.engine.loader.open_model``, whichever way it was opened). An ``opened`` model is
-        owned from then on: ``close`` frees it, and so does a failure to create the context.
+        ``opened`` is owned from then on: ``close`` frees it, and so does a failure to create the
+        context.
         """
         lib = llama_lib()
         self._lib = lib
         self.callback = callback
-        self._opened = opened
-        if opened is not None:
-            self.model = opened.model
-        else:
-            if path is None:
-                raise TypeError("LlamaModel needs a path or an opened model")
-            self.model = lib.llama_model_load_from_file(str(path).encode(), model_params())
-            if not self.model:
-                raise LlamaCallError(f"llama.cpp could not load {path}")
-        where = path if path is not None else "the opened model"
+        self._opened: OwnedModel | None = opened
+        self.model = opened.model
         cparams = lib.llama_context_default_params()
         cparams.n_ctx = n_ctx
         cparams.n_batch = cparams.n_ubatch = min(512, n_ctx)
@@ -97,7 +91,7 @@ class LlamaModel:
         self.ctx = lib.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             self._free_model()
-            raise LlamaCallError(f"llama.cpp could not create a context (n_ctx={n_ctx}) for {where}")
+            raise LlamaCallError(f"llama.cpp could not create a context (n_ctx={n_ctx}) for the opened model")
         self.vocab = lib.llama_model_get_vocab(self.model)
         self.n_vocab = lib.llama_vocab_n_tokens(self.vocab)
         self.n_ctx = lib.llama_n_ctx(self.ctx)

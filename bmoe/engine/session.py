@@ -21,19 +21,14 @@ import numpy as np
 
 from bmoe.engine.callback import Capture, Consumption, EvalCallback
 from bmoe.engine.config import RunConfig
-from bmoe.engine.ggml import check_live_tensor, check_overhead
-from bmoe.engine.loader import (
-    OpenedModel,
-    capture_weights,
-    mapping_spans,
-    open_model,
-    read_io_bytes,
-    release_file_pages,
-)
+from bmoe.engine.loader import OpenedModel, capture_weights, open_model
 from bmoe.engine.seam import LlamaModel
 from bmoe.engine.streaming import Streamer
 from bmoe.errors import BmoeError, ConfigError, SeamMismatchError, first_error
+from bmoe.io.ggml import check_live_tensor, check_overhead
 from bmoe.io.layout import ModelLayout
+from bmoe.io.pagecache import mapping_spans, read_io_bytes, release_file_pages
+from bmoe.io.paths import check_output
 from bmoe.io.validate import open_layout
 from bmoe.metrics.route_trace import RouteRecorder
 from bmoe.metrics.stats import Counters, GenerationStats
@@ -104,14 +99,16 @@ class Session:
         config = (config or RunConfig()).validate()
         io_before = read_io_bytes()
         layout = open_layout(path)
+        if config.route_trace is not None:
+            check_output(config.route_trace, "route_trace", layout.shards)
         streaming = config.mode == "stream"
         if streaming:
             check_overhead()
         opened = open_model(layout, streaming=streaming, mode=config.open_mode if streaming else "mmap")
         callback = EvalCallback(RoutingGate())
         model = LlamaModel(
-            n_ctx=config.n_ctx, n_threads=config.threads, callback=callback,
-            install=streaming or config.eval_filter, opened=opened,
+            opened, n_ctx=config.n_ctx, n_threads=config.threads, callback=callback,
+            install=streaming or config.eval_filter,
         )
         streamer = dense = recorder = None
         try:

@@ -16,11 +16,12 @@ from bmoe.io.layout import ModelLayout
 from bmoe.io.regions import map_count_limit
 from bmoe.metrics.stats import Counters
 from bmoe.pipeline.budget import Budget, read_meminfo, resolve_budget
-from bmoe.pipeline.cache import ExpertCache, make_policy
+from bmoe.pipeline.cache import ExpertCache
 from bmoe.pipeline.channel import Channel
 from bmoe.pipeline.events import RoutingEvent
 from bmoe.pipeline.gate import RoutingGate
 from bmoe.pipeline.hooks import Hooks
+from bmoe.pipeline.policies import make_policy
 from bmoe.pipeline.readiness import ReadinessBoard
 from bmoe.stages.bind import BindStage, Residency, SimResidency
 from bmoe.stages.prefetch import PrefetchStage

@@ -22,16 +22,18 @@ from types import MappingProxyType
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from bmoe.engine.recipes import recipe_for
 from bmoe.errors import (
     GGUFVersionError,
     MissingKeyError,
+    MissingShardError,
     ModelFileError,
     NotGGUFError,
     TruncatedFileError,
 )
+from bmoe.io.recipes import recipe_for
 
 # llama.cpp's split naming, "%s-%05d-of-%05d.gguf": %05d widens past 99999, hence \d{5,}.
+MAX_SHARDS = 10_000  # far beyond any published split; bounds the paths built from a name
 _SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5,})-of-(?P<count>\d{5,})\.gguf$")
 _EXPERT_NAME = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<suffix>[^.]+)\.weight$")
 
@@ -145,6 +147,8 @@ def split_shard_paths(path: Path) -> tuple[Path, ...]:
     if m is None:
         return (path,)
     prefix, count = m["prefix"], int(m["count"])
+    if not 1 <= count <= MAX_SHARDS:
+        raise MissingShardError(f"{path.name}: a split set of {count} shards (bmoe reads 1 to {MAX_SHARDS})")
     return tuple(path.with_name(f"{prefix}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1))
 
 

@@ -22,6 +22,7 @@ from types import TracebackType
 
 from bmoe.errors import BudgetError
 from bmoe.io.direct import DIRECT_ALIGN, align_up
+from bmoe.io.libc import libc
 
 _PAGE = max(mmap.PAGESIZE, DIRECT_ALIGN)
 # Python's mmap module exports MAP_NORESERVE only from 3.13; 0x4000 is its value on x86-64 and arm64.
@@ -29,17 +30,6 @@ _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 _MADV_NOHUGEPAGE = mmap.MADV_NOHUGEPAGE
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.restype = ctypes.c_int
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.madvise.restype = ctypes.c_int
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.mincore.restype = ctypes.c_int
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-_libc.mremap.restype = ctypes.c_void_p
-_libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
 _MREMAP_MAYMOVE, _MREMAP_FIXED, _MREMAP_DONTUNMAP = 1, 2, 4  # linux/mman.h; DONTUNMAP since 5.7
 
 
@@ -58,7 +48,7 @@ def resident_bytes_of(addr: int, nbytes: int) -> int:
     if pages == 0:
         return 0
     vec = (ctypes.c_ubyte * pages)()
-    _check(_libc.mincore(lo, hi - lo, vec), "mincore")
+    _check(libc().mincore(lo, hi - lo, vec), "mincore")
     return (pages - bytes(vec).count(0)) * _PAGE
 
 
@@ -74,14 +64,14 @@ def map_count_limit() -> int:
 
 def release_pages(lo: int, hi: int) -> None:
     """Give the pages of [lo, hi) (page-aligned) back to the kernel; the range stays mapped."""
-    _check(_libc.madvise(lo, hi - lo, mmap.MADV_DONTNEED), "madvise(MADV_DONTNEED)")
+    _check(libc().madvise(lo, hi - lo, mmap.MADV_DONTNEED), "madvise(MADV_DONTNEED)")
 
 
 def move_pages(src: int, dst: int, nbytes: int) -> bool:
     """Move the pages of [src, src + nbytes) to dst (all page-aligned, private anonymous memory):
     dst's old pages are freed, src stays mapped and empty. False when the kernel refuses (no
     MREMAP_DONTUNMAP, or the process's map count is exhausted): the caller faults pages in instead."""
-    moved = _libc.mremap(src, nbytes, nbytes, _MREMAP_MAYMOVE | _MREMAP_FIXED | _MREMAP_DONTUNMAP, dst)
+    moved = libc().mremap(src, nbytes, nbytes, _MREMAP_MAYMOVE | _MREMAP_FIXED | _MREMAP_DONTUNMAP, dst)
     return moved == dst
 
 
@@ -100,7 +90,7 @@ class Region:
         self.nbytes = nbytes
         self._length = align_up(_PAGE + head + nbytes, _PAGE) + _PAGE
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
-        start: int | None = _libc.mmap(None, self._length, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
+        start: int | None = libc().mmap(None, self._length, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
         if start in (None, _MAP_FAILED):
             err = ctypes.get_errno()
             raise BudgetError(f"cannot reserve {self._length} bytes of address space: {os.strerror(err)}")
@@ -108,7 +98,7 @@ class Region:
         self.base: int = start + _PAGE + head
         # With transparent huge pages on, one expert read would fault in 2 MiB pages that an
         # eviction cannot give back piecewise: resident memory would creep up to the whole bank.
-        _libc.madvise(start, self._length, _MADV_NOHUGEPAGE)
+        libc().madvise(start, self._length, _MADV_NOHUGEPAGE)
 
     @property
     def closed(self) -> bool:
@@ -147,7 +137,7 @@ class Region:
         if self._start is None:
             return
         start, self._start = self._start, None
-        _check(_libc.munmap(start, self._length), "munmap")
+        _check(libc().munmap(start, self._length), "munmap")
 
     def _live(self) -> int:
         if self._start is None:

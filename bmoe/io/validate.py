@@ -13,7 +13,6 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from bmoe.engine.recipes import Recipe, recipe_for
 from bmoe.errors import (
     ExpertLayoutError,
     MissingKeyError,
@@ -28,6 +27,7 @@ from bmoe.io.layout import (
     read_index,
     split_shard_paths,
 )
+from bmoe.io.recipes import Recipe, recipe_for
 
 _ARCH_KEY = "general.architecture"
 

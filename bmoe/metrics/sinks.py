@@ -17,7 +17,7 @@ from pathlib import Path
 
 import aiofiles
 
-import bmoe
+from bmoe._version import __version__
 from bmoe.metrics.tokens import TokenMetrics
 from bmoe.pipeline.channel import Channel
 
@@ -63,7 +63,7 @@ class ProgressSink(LineSink):
 class CsvSink(LineSink):
     def __init__(self, path: Path, config: Mapping[str, object], model: str) -> None:
         super().__init__(path)
-        self.add_line(f"# bmoe {bmoe.__version__} llama-cpp-python {LLAMA_CPP_PIN}\n")
+        self.add_line(f"# bmoe {__version__} llama-cpp-python {LLAMA_CPP_PIN}\n")
         self.add_line(f"# model {model}\n")
         self.add_line(f"# config {json.dumps(dict(config), sort_keys=True)}\n")
         self.add_line(_csv_line(TokenMetrics.columns()))

@@ -10,7 +10,6 @@ A budget of 0 is "cache off": every routed expert is read every time it is used.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Set
 from dataclasses import dataclass
 from typing import Protocol
@@ -44,42 +43,6 @@ class EvictionPolicy(Protocol):
     def removed(self, entry: Entry) -> None: ...
 
     def victims(self) -> Iterator[Entry]: ...
-
-
-class LruPolicy:
-    """Least recently used first."""
-
-    name = "lru"
-
-    def __init__(self) -> None:
-        self._order: OrderedDict[Entry, None] = OrderedDict()
-
-    def used(self, entry: Entry) -> None:
-        self._order.move_to_end(entry)
-
-    def admitted(self, entry: Entry) -> None:
-        self._order[entry] = None
-
-    def removed(self, entry: Entry) -> None:
-        del self._order[entry]
-
-    def victims(self) -> Iterator[Entry]:
-        return iter(list(self._order))
-
-
-def make_policy(name: str, **kwargs: object) -> EvictionPolicy:
-    """A fresh policy by name (see ``bmoe.pipeline.policies.POLICIES``)."""
-    from bmoe.pipeline.policies import make_policy as make
-
-    return make(name, **kwargs)
-
-
-def __getattr__(name: str) -> object:
-    if name == "POLICIES":  # the registry lives with the policies; imported lazily (no cycle)
-        from bmoe.pipeline.policies import POLICIES
-
-        return POLICIES
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _noop(*_args: object) -> None:

@@ -1,14 +1,14 @@
-"""Expert cache policies, and a replay that scores them on a recorded route trace.
+"""Expert cache policies: the eviction orders ``ExpertCache`` can run with.
 
 Policies (``POLICIES``, ``make_policy(name)``; ``ExpertCache`` gets one by name):
 
-    lru      least recently used first (``cache.LruPolicy``)
+    lru      least recently used first (``LruPolicy``)
     reuse    the default (alias ``default``): evict the entry whose next use is expected furthest
              away, from multi-horizon decayed use rates and the layer cycle (``ExpectedReusePolicy``)
     opt      Belady's offline optimum, the ceiling: needs the replayed sequence of plan calls
              (``make_policy("opt", future=[(layer, experts), ...])``); replay only
 
-``simulate(trace, policy, budget_bytes)`` replays a ``RouteTrace`` through ``ExpertCache`` as the
+``bmoe.pipeline.simulate.simulate(trace, policy, budget_bytes)`` replays a ``RouteTrace`` through ``ExpertCache`` as the
 engine drives it: one ``plan`` per layer event (``RouteTrace.layer_events``: a prefill call is one
 event per layer with the union of its tokens' experts, sorted as the eval callback hands them
 over), a ``trim`` after every llama_decode call. Hit % = hits / (hits + misses) over the unique
@@ -56,17 +56,36 @@ entry are each worth a few tenths of a point to 1.5 points. On synthetic traces 
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Union
 
 import numpy as np
 
-from bmoe.errors import BudgetError
-from bmoe.pipeline.cache import Entry, EvictionPolicy, ExpertCache, LruPolicy
-from bmoe.pipeline.trace import LayerEvent, RouteTrace
+from bmoe.errors import BudgetError, ConfigError
+from bmoe.pipeline.cache import Entry, EvictionPolicy
 
 Future = Sequence[tuple[int, Sequence[int]]]  # (layer, routed experts) per plan call, in order
+
+
+class LruPolicy:
+    """Least recently used first."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[Entry, None] = OrderedDict()
+
+    def used(self, entry: Entry) -> None:
+        self._order.move_to_end(entry)
+
+    def admitted(self, entry: Entry) -> None:
+        self._order[entry] = None
+
+    def removed(self, entry: Entry) -> None:
+        del self._order[entry]
+
+    def victims(self) -> Iterator[Entry]:
+        return iter(list(self._order))
 
 
 class OptPolicy:
@@ -402,82 +421,9 @@ def make_policy(name: str, *, future: Future | None = None) -> EvictionPolicy:
     try:
         factory = POLICIES[name]
     except KeyError:
-        raise BudgetError(f"unknown cache policy {name!r} (known: {', '.join(POLICIES)})") from None
+        raise ConfigError(f"unknown cache policy {name!r} (known: {', '.join(POLICIES)})") from None
     if getattr(factory, "offline", False):
         if future is None:
-            raise BudgetError(f"cache policy {name!r} is offline (it reads the future): replay only")
+            raise ConfigError(f"cache policy {name!r} is offline (it reads the future): replay only")
         return factory(future)
     return factory()
-
-
-# ---------------------------------------------------------------------------------------------
-# Replay
-
-
-@dataclass(frozen=True)
-class SimResult:
-    policy: str
-    budget_bytes: int
-    decode_hit_pct: float
-    hit_pct: float
-    bytes_read: int
-    hits: int
-    misses: int
-    decode_hits: int
-    decode_misses: int
-    max_resident_bytes: int  # highest resident bytes seen after a trim (must be <= the budget)
-
-
-PolicySpec = Union[str, Callable[[Sequence[LayerEvent]], EvictionPolicy]]
-
-
-def simulate(
-    trace: RouteTrace,
-    policy: PolicySpec,
-    budget_bytes: int,
-    *,
-    events: Sequence[LayerEvent] | None = None,
-) -> SimResult:
-    """Replay ``trace`` through an ``ExpertCache`` the way the engine drives it.
-
-    One ``plan`` per layer event (a prefill ubatch is one event per layer with the union of its
-    experts), a ``trim`` after every llama_decode call. ``policy`` is a registry name or a factory
-    taking the event list. Pass ``events`` (``trace.layer_events(...)``) to reuse or vary them.
-    """
-    evs = trace.layer_events() if events is None else events
-    if isinstance(policy, str):
-        name = policy
-        pol = make_policy(name, future=[(e.layer, e.experts) for e in evs])
-    else:
-        pol = policy(evs)
-    cache = ExpertCache(budget_bytes, trace.expert_bytes, pol)
-    eb = trace.expert_bytes
-    hits = [0, 0]
-    misses = [0, 0]
-    read = 0
-    worst = 0
-    plan = cache.plan
-    for ev in evs:
-        p = plan(ev.layer, ev.experts)
-        d = 1 if ev.phase == 1 else 0
-        hits[d] += len(p.hits)
-        n_miss = len(p.misses)
-        misses[d] += n_miss
-        read += n_miss * eb[ev.layer]
-        if ev.ends_call:
-            cache.trim()
-            if cache.resident_bytes > worst:
-                worst = cache.resident_bytes
-    h, m = sum(hits), sum(misses)
-    return SimResult(
-        policy=pol.name,
-        budget_bytes=budget_bytes,
-        decode_hit_pct=100.0 * hits[1] / (hits[1] + misses[1]) if hits[1] + misses[1] else 0.0,
-        hit_pct=100.0 * h / (h + m) if h + m else 0.0,
-        bytes_read=read,
-        hits=h,
-        misses=m,
-        decode_hits=hits[1],
-        decode_misses=misses[1],
-        max_resident_bytes=worst,
-    )

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bmoe.engine.ggml import GgmlTensor
 from bmoe.errors import ReadError, SeamMismatchError
+from bmoe.io.ggml import GgmlTensor
 from bmoe.io.layout import ExpertTensor, ModelLayout
 from bmoe.io.regions import Region, move_pages, release_pages
 from bmoe.pipeline.cache import Entry, Plan

@@ -19,11 +19,11 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Mapping, Sequence
 
-from bmoe.engine.ggml import GgmlTensor
-from bmoe.engine.loader import file_mapped, release_file_pages
 from bmoe.errors import SeamMismatchError
 from bmoe.io.direct import align_up
+from bmoe.io.ggml import GgmlTensor
 from bmoe.io.layout import ModelLayout, TensorSpan
+from bmoe.io.pagecache import file_mapped, release_file_pages
 from bmoe.io.regions import Region
 
 # ggml's CPU kernels may use aligned vector loads; ggml_aligned_malloc aligns to 64.

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import sys
 from pathlib import Path
 
-from bmoe.bench.harness import add_bench_command
 from bmoe.engine.aio import run as run_async
 from bmoe.engine.config import MiB, RunConfig
 from bmoe.errors import BmoeError, ConfigError, first_error
-from bmoe.synth.big import add_synth_command
 
 DEMO_PROMPT = "The quick brown fox jumps over the lazy dog. Streaming experts from disk:"
 
@@ -229,7 +228,25 @@ def _summary(r: dict) -> str:
     return line
 
 
+def _model_files(model: Path | None) -> tuple[Path, ...]:
+    """The model and every shard its name implies: the inputs no output may overwrite."""
+    from bmoe.io.layout import split_shard_paths
+
+    return () if model is None else (model, *split_shard_paths(model))
+
+
+def _check_outputs(args: argparse.Namespace, inputs: tuple[Path, ...], *flags: str) -> None:
+    """Refuse, before anything is opened, any output flag that names an input or cannot be written."""
+    from bmoe.io.paths import check_output
+
+    for flag in flags:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+        if value is not None:
+            check_output(value, flag, inputs)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
+    _check_outputs(args, _model_files(args.model), "--csv", "--route-trace")
     config = _config(args)
     result = run_async(_generate(args.model, config, args.prompt, args.n_predict, echo=not args.json,
                                   progress=args.progress, csv_path=args.csv))
@@ -288,6 +305,7 @@ def _fit(session, fmt, history, n: int) -> str:  # noqa: ANN001
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
+    _check_outputs(args, _model_files(args.model), "--route-trace")
     run_async(_chat(args.model, _config(args), args.system, args.n_predict))
     return 0
 
@@ -297,6 +315,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     from bmoe.io.validate import open_layout
     from bmoe.pipeline.trace import read_trace
 
+    _check_outputs(args, (args.trace, *_model_files(args.model)), "--csv", "--plot")
     io = args.io or ("real" if args.model else "sim")
     if io == "real" and args.model is None:
         raise ConfigError("--io real reads the model's bytes: give it with -m MODEL (or use --io sim)")
@@ -439,17 +458,41 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if same else 1
 
 
-def main(argv: list[str] | None = None) -> int:
+# Subcommands whose modules are heavy to import (numpy, gguf writers, the bench harness): their full
+# parser is registered only when the command line names them; otherwise a one-line entry keeps
+# them listed in ``bmoe --help``.
+_LAZY = {
+    "bench": ("bmoe.bench.harness", "add_bench_command",
+              "measure resident, mmap and streamed runs of one model side by side"),
+    "synth": ("bmoe.synth.big", "add_synth_command",
+              "write a random MoE GGUF with a real model's shapes (fast, any size)"),
+}
+
+
+def _lazy_parsers(sub: argparse._SubParsersAction, argv: list[str]) -> None:
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module, register, help_) in _LAZY.items():
+        if name == chosen:
+            getattr(importlib.import_module(module), register)(sub)
+        else:
+            sub.add_parser(name, help=help_, add_help=False)
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bmoe", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _run_parser(sub)
     _chat_parser(sub)
     _replay_parser(sub)
     _demo_parser(sub)
-    add_bench_command(sub)
-    add_synth_command(sub)
+    _lazy_parsers(sub, argv)
     _tiny_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         return args.func(args)
     except BaseExceptionGroup as group:  # the CLI's own task groups (sinks beside a generation)

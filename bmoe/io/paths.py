@@ -1,0 +1,75 @@
+"""Paths a user hands in, checked before anything is opened: no output may overwrite an input.
+
+An output flag pointed at the model (``--csv model.gguf``) used to truncate the model before the
+run failed: the check compares device and inode (so a hard link or a symlink is caught too) and
+the resolved path (so a missing shard of the set is caught as well), and it runs before any file
+is opened for writing. The output's folder must exist and be writable, and the output must not be
+a folder; character devices (``/dev/stdout``, ``/dev/null``) are allowed.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterable
+from pathlib import Path
+
+from bmoe.errors import OutputPathError
+
+PathLike = str | os.PathLike[str]
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def check_output(path: PathLike, flag: str, inputs: Iterable[PathLike] = ()) -> Path:
+    """``path`` as given, once it is known to be writable and to be none of ``inputs``.
+
+    Raises ``OutputPathError`` naming ``flag`` and the reason in one line."""
+    out = Path(path)
+    ins = [Path(p) for p in inputs]
+    ident = _identity(out)
+    real = out.resolve()
+    for p in ins:
+        if real == p.resolve() or (ident is not None and ident == _identity(p)):
+            raise OutputPathError(f"{flag} {out} is an input of this run ({p}); refusing to overwrite it")
+    try:
+        st = os.stat(out)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise OutputPathError(f"{flag} {out}: {e.strerror}") from None
+    if st is not None:
+        if stat.S_ISDIR(st.st_mode):
+            raise OutputPathError(f"{flag} {out} is a folder, not a file")
+        if stat.S_ISCHR(st.st_mode) or stat.S_ISFIFO(st.st_mode):
+            return out
+        if not os.access(out, os.W_OK):
+            raise OutputPathError(f"{flag} {out} is not writable")
+        return out
+    folder = real.parent
+    if not folder.is_dir():
+        raise OutputPathError(f"{flag} {out}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OutputPathError(f"{flag} {out}: folder {folder} is not writable")
+    return out
+
+
+def check_output_dir(path: PathLike, flag: str, inputs: Iterable[PathLike] = ()) -> Path:
+    """A folder outputs are written into: an existing folder, or one that can be created; never
+    one of ``inputs``."""
+    out = Path(path)
+    for p in inputs:
+        if out.resolve() == Path(p).resolve():
+            raise OutputPathError(f"{flag} {out} is an input of this run; refusing to write there")
+    if out.exists() and not out.is_dir():
+        raise OutputPathError(f"{flag} {out} exists and is not a folder")
+    probe = out if out.exists() else next((a for a in out.resolve().parents if a.exists()), None)
+    if probe is None or not os.access(probe, os.W_OK | os.X_OK):
+        raise OutputPathError(f"{flag} {out}: {probe} is not writable")
+    return out
