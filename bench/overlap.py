@@ -87,9 +87,9 @@ def main() -> None:
     configs = {
         "serial": RunConfig(**base),
         "overlap": RunConfig(**base, overlap=True),
-        "prefetch 1": RunConfig(**base, prefetch=1),
+        "prefetch 1": RunConfig(**base, prefetch_layers=1),
         "predict-prefetch": RunConfig(**base, predict_prefetch=True),
-        "overlap + prefetch 1": RunConfig(**base, overlap=True, prefetch=1),
+        "overlap + prefetch 1": RunConfig(**base, overlap=True, prefetch_layers=1),
         "overlap + predict-prefetch": RunConfig(**base, overlap=True, predict_prefetch=True),
     }
     runs: dict[str, list[dict]] = {k: [] for k in configs}

@@ -149,7 +149,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
         open_mode=args.open_mode,
         route_trace=args.route_trace,
         overlap=args.overlap,
-        prefetch=args.prefetch,
+        prefetch_layers=args.prefetch,
         predict_prefetch=args.predict_prefetch,
     ).validate()
 

@@ -43,7 +43,7 @@ def stream_within_budget(path, config: RunConfig):  # noqa: ANN001, ANN201
 @pytest.mark.parametrize("lanes", [1, 4])
 def test_temporal_prefetch_equals_resident_and_holds_the_budget(tiny, overlap: bool, lanes: int) -> None:
     path = tiny.path(SPEC)
-    config = RunConfig(n_ctx=256, cache_bytes=BUDGET, prefetch=2, overlap=overlap, io_threads=lanes)
+    config = RunConfig(n_ctx=256, cache_bytes=BUDGET, prefetch_layers=2, overlap=overlap, io_threads=lanes)
     tokens, stats = stream_within_budget(path, config)
     assert tokens == tiny.resident_tokens(path)
     assert stats.prefetch_issued > 0 and stats.speculative_bytes > 0, "the read-ahead fired"
@@ -53,7 +53,7 @@ def test_temporal_prefetch_equals_resident_and_holds_the_budget(tiny, overlap: b
 
 def test_prefetch_needs_a_cache() -> None:
     with pytest.raises(ConfigError, match="cache budget"):
-        RunConfig(prefetch=1, cache_bytes=0).validate()
+        RunConfig(prefetch_layers=1, cache_bytes=0).validate()
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "gemma4"])

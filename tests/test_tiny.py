@@ -10,7 +10,12 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
+from bmoe.engine.callback import EvalCallback
+from bmoe.engine.loader import open_model
+from bmoe.engine.seam import LlamaModel
 from bmoe.errors import ConfigError
+from bmoe.io.layout import read_layout
+from bmoe.pipeline.gate import RoutingGate
 from bmoe.synth.tiny import ARCHS, TinySpec, write_tiny
 from bmoe.synth.vocab import BOS_ID, CONTROL_IDS, EOS_ID, byte_vocab
 
@@ -21,22 +26,25 @@ PROMPT = "Hello world, this is a tiny test."  # 20 tokens + BOS with the byte vo
 
 
 def greedy(path: Path, n: int = 32, prompt: str = PROMPT) -> list[int]:
-    """Argmax decoding (EOS masked) through llama.cpp, the reference every gate compares to."""
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=2, verbose=False, logits_all=False)
+    """Argmax decoding (EOS masked) through plain llama.cpp: mmap load, no repacking, no bmoe
+    callback installed; the reference every gate compares to.
+
+    Not ``llama_cpp.Llama``: its default load repacks Q8_0 into the CPU's extra buffer types, and
+    on AMX machines the pinned build's AMX path crashes (SIGSEGV) on these tiny shapes."""
+    opened = open_model(read_layout(path), streaming=False)
+    model = LlamaModel(opened, n_ctx=256, n_threads=2, callback=EvalCallback(RoutingGate()), install=False)
     try:
-        n_vocab = llm.n_vocab()
-        llm.eval(llm.tokenize(prompt.encode()))
+        model.decode(model.tokenize(prompt))
         out: list[int] = []
         for _ in range(n):
-            row = llama_cpp.llama_get_logits_ith(llm.ctx, -1)  # logits_all=False keeps only this row
-            logits = np.ctypeslib.as_array(row, shape=(n_vocab,)).copy()
+            logits = model.logits().copy()
             assert np.isfinite(logits).all()
             logits[EOS_ID] = -np.inf
             out.append(int(np.argmax(logits)))
-            llm.eval([out[-1]])
+            model.decode([out[-1]])
         return out
     finally:
-        llm.close()
+        model.close()
 
 
 def assert_not_degenerate(tokens: list[int]) -> None:

@@ -1,16 +1,26 @@
-"""RunConfig: every knob of a run as one validated value object."""
+"""RunConfig: every knob of a run as one value object that validates itself.
+
+An invalid RunConfig cannot exist: ``__post_init__`` checks every field and each combination, so a
+bad value fails where it is written (``ConfigError``), not at ``Session.open`` or deep in a stage.
+The choice fields are ``Literal`` types whose allowed values are read back from the types, so the
+check and the annotation cannot drift apart.
+"""
 
 from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from bmoe.errors import ConfigError
+from bmoe.pipeline.policies import POLICIES
 
 Mode = Literal["stream", "resident"]
-OPEN_MODES = ("auto", "user", "mmap", "mmap-drop")
-DENSE_POLICIES = ("mmap", "anon")
+OpenMode = Literal["auto", "user", "mmap", "mmap-drop"]
+DensePolicy = Literal["mmap", "anon"]
+MODES: tuple[str, ...] = get_args(Mode)
+OPEN_MODES: tuple[str, ...] = get_args(OpenMode)
+DENSE_POLICIES: tuple[str, ...] = get_args(DensePolicy)
 MiB = 1 << 20
 
 
@@ -25,16 +35,16 @@ class RunConfig:
     # (sized once at open from available memory, see bmoe.pipeline.budget).
     cache_bytes: int | None = 0
     cache_ceiling_bytes: int | None = None
-    cache_policy: str = "default"  # see bmoe.pipeline.policies; "lru" is the baseline
+    cache_policy: str = "default"  # a name in bmoe.pipeline.policies.POLICIES; "lru" is the baseline
     # How the model is opened when streaming (bmoe.engine.loader): auto picks the cheapest that works.
-    open_mode: str = "auto"
+    open_mode: OpenMode = "auto"
     # Dense weights: stay in llama.cpp's file mapping, or copied into anonymous memory ("anon").
-    dense_weights: str = "mmap"
+    dense_weights: DensePolicy = "mmap"
     # Overlap reads with compute: wait at each expert matmul only for the projection it consumes.
     overlap: bool = False
     # Temporal read-ahead: while layer l computes, read the experts the previous token used at
-    # layers l+1..l+K into the cache (needs a cache budget).
-    prefetch: int = 0
+    # layers l+1..l+K into the cache (needs a cache budget). A count of layers; 0 = off.
+    prefetch_layers: int = 0
     # Predictive read-ahead: the next layer's router applied to this layer's router input.
     predict_prefetch: bool = False
     # Write every routing decision to this file (route_trace v2; streamed runs only).
@@ -43,9 +53,12 @@ class RunConfig:
     # measure what the callback itself costs.
     eval_filter: bool = False
 
-    def validate(self) -> RunConfig:
-        if self.mode not in ("stream", "resident"):
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
             raise ConfigError(f"mode must be 'stream' or 'resident', got {self.mode!r}")
+        if self.cache_policy not in POLICIES or getattr(POLICIES[self.cache_policy], "offline", False):
+            live = ", ".join(n for n, f in POLICIES.items() if not getattr(f, "offline", False))
+            raise ConfigError(f"cache_policy must be one of {live}, got {self.cache_policy!r}")
         if not 1 <= self.io_threads <= 64:
             raise ConfigError(f"io_threads must be 1..64, got {self.io_threads}")
         if self.n_threads is not None and not 1 <= self.n_threads <= 512:
@@ -66,9 +79,9 @@ class RunConfig:
             )
         if self.route_trace is not None and self.mode != "stream":
             raise ConfigError("route traces are recorded by the streaming callback: use mode='stream'")
-        if not 0 <= self.prefetch <= 64:
-            raise ConfigError(f"prefetch must be 0..64 layers ahead, got {self.prefetch}")
-        if self.prefetch and (self.mode != "stream" or self.cache_bytes == 0):
+        if not 0 <= self.prefetch_layers <= 64:
+            raise ConfigError(f"prefetch_layers must be 0..64 layers ahead, got {self.prefetch_layers}")
+        if self.prefetch_layers and (self.mode != "stream" or self.cache_bytes == 0):
             raise ConfigError("prefetch reads ahead into the expert cache: stream with a cache budget")
         if self.predict_prefetch and (self.mode != "stream" or self.cache_bytes == 0):
             raise ConfigError("predict_prefetch reads ahead into the expert cache: stream with a cache budget")
@@ -76,6 +89,9 @@ class RunConfig:
             raise ConfigError("overlap applies to streamed runs: use mode='stream'")
         if self.eval_filter and self.mode != "resident":
             raise ConfigError("eval_filter measures the callback alone and needs mode='resident'")
+
+    def validate(self) -> RunConfig:
+        """The config itself: it was validated when it was made (kept for callers that chain it)."""
         return self
 
     @property

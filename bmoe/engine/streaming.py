@@ -97,7 +97,7 @@ class Streamer:
             residency.close()
             raise
         streamer = cls(residency, reader, cache, gate, hooks, config.io_threads, budget)
-        streamer.prefetch.lookahead = config.prefetch
+        streamer.prefetch.lookahead = config.prefetch_layers
         return streamer
 
     def counters(self) -> Counters:
