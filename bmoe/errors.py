@@ -19,6 +19,7 @@ of them into a one-line message and exit status 1.
     +-- TraceFormatError          a route trace that cannot be read (names the file and line)
     +-- ReadError                 an expert read failed or came back short
     +-- BudgetError               a memory budget that cannot be honoured
+    +-- RegionError               expert memory could not be released or unmapped (madvise, munmap)
     +-- ConfigError               a RunConfig value out of range
     |   +-- OutputPathError       an output path that is an input, a folder, or not writable
     +-- DecodeAbortedError        a decode was stopped; its tokens were not emitted
@@ -88,6 +89,14 @@ class BudgetError(BmoeError):
     pass
 
 
+class RegionError(BmoeError):
+    """A call on bmoe's reserved expert memory failed; carries the errno."""
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
+
+
 class ConfigError(BmoeError):
     pass
 
@@ -102,6 +111,17 @@ class DecodeAbortedError(BmoeError):
 
 class GenerationCancelled(DecodeAbortedError):
     pass
+
+
+def as_bmoe_error(exc: BaseException, cls: type[BmoeError], what: str) -> BmoeError:
+    """``exc`` itself if it is a bmoe error; else a ``cls`` that says ``what`` failed and keeps the
+    foreign exception as its cause. The one mapping every adapter applies where foreign errors
+    enter (the eval callback, the user-open filler, the bind stage), so the cause is never lost."""
+    if isinstance(exc, BmoeError):
+        return exc
+    wrapped = cls(f"{what}: {exc!r}")
+    wrapped.__cause__ = exc
+    return wrapped
 
 
 def first_error(group: BaseExceptionGroup) -> BaseException:

@@ -69,7 +69,7 @@ from typing import Any
 import numpy as np
 
 from bmoe.engine.seam import llama_lib, model_params
-from bmoe.errors import LlamaCallError, ModelFileError, SeamError
+from bmoe.errors import LlamaCallError, ModelFileError, SeamError, as_bmoe_error
 from bmoe.io.ggml import GGML_MAX_SRC, GgmlTensor, libggml_base
 from bmoe.io.layout import ModelLayout, TensorSpan
 from bmoe.io.pagecache import interior_pages, madvise_range, read_io_bytes
@@ -461,11 +461,7 @@ def _open_user(layout: ModelLayout, streaming: bool, params: Any) -> OpenedModel
 
 
 def _as_seam_error(exc: BaseException) -> BaseException:
-    if isinstance(exc, (SeamError, ModelFileError)):
-        return exc
-    wrapped = SeamError(f"filling the model's tensors failed: {exc!r}")
-    wrapped.__cause__ = exc
-    return wrapped
+    return as_bmoe_error(exc, SeamError, "filling the model's tensors failed")
 
 
 def _drop_unused_expert_pages(layout: ModelLayout, tensors: Mapping[str, int]) -> None:

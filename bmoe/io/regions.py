@@ -20,7 +20,7 @@ import mmap
 import os
 from types import TracebackType
 
-from bmoe.errors import BudgetError
+from bmoe.errors import BudgetError, RegionError
 from bmoe.io.direct import DIRECT_ALIGN, align_up
 from bmoe.io.libc import libc
 
@@ -36,7 +36,7 @@ _MREMAP_MAYMOVE, _MREMAP_FIXED, _MREMAP_DONTUNMAP = 1, 2, 4  # linux/mman.h; DON
 def _check(rc: int, call: str) -> None:
     if rc != 0:
         err = ctypes.get_errno()
-        raise OSError(err, f"{call}: {os.strerror(err)}")
+        raise RegionError(f"{call} on expert memory failed: {os.strerror(err)}", err)
 
 
 def resident_bytes_of(addr: int, nbytes: int) -> int:

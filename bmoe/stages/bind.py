@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bmoe.errors import ReadError, SeamMismatchError
+from bmoe.errors import ReadError, SeamMismatchError, as_bmoe_error
 from bmoe.io.ggml import GgmlTensor
 from bmoe.io.layout import ExpertTensor, ModelLayout
 from bmoe.io.regions import Region, move_pages, release_pages
@@ -220,7 +220,7 @@ class BindStage:
                 if job.plan.misses:
                     self.read_wall_s += time.perf_counter() - job.issued_at
             except Exception as exc:  # noqa: BLE001 - delivered to the waiting compute thread
-                event.fail(exc if isinstance(exc, ReadError) else ReadError(str(exc)))
+                event.fail(as_bmoe_error(exc, ReadError, "expert read failed"))
                 continue
             resident = self._residency.maps[job.plan.layer]
             for e in job.plan.misses + job.plan.hits:
