@@ -10,6 +10,9 @@ that leaves less than the model's dense part + 1 GiB, or when RLIMIT_MEMLOCK for
   changes, or at once with SIGKILL when the parent dies (``prctl(PR_SET_PDEATHSIG)``);
 - the parent kills it in ``release`` (called from ``__exit__``: on success, on error, on Ctrl-C).
 
+``Balloon(n, lock=False)`` only writes every page instead of locking it (``held N``): no privilege
+needed, the same effect on a machine without swap, and what the tests use to squeeze a run.
+
 Locked pages are neither reclaimable nor swappable, so while the balloon stands MemAvailable is
 what the limit says (give or take what other processes do meanwhile: the harness re-reads it).
 """
@@ -138,8 +141,9 @@ def die_with_parent() -> None:
 class Balloon:
     """The lock, held by a child process from ``inflate`` until ``release`` (idempotent)."""
 
-    def __init__(self, lock_bytes: int, *, timeout_s: float | None = None) -> None:
+    def __init__(self, lock_bytes: int, *, timeout_s: float | None = None, lock: bool = True) -> None:
         self.lock_bytes = lock_bytes
+        self.lock = lock
         # mlock faults in and zeroes every page: 2.5 s per GiB measured on this project's VMs;
         # allow twice that, plus a floor.
         self.timeout_s = timeout_s if timeout_s is not None else 30.0 + 5.0 * lock_bytes / GiB
@@ -155,12 +159,13 @@ class Balloon:
             raise BudgetError("balloon already inflated")
         t0 = time.perf_counter()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "bmoe.bench.balloon", str(self.lock_bytes), str(os.getpid())],
+            [sys.executable, "-m", "bmoe.bench.balloon", str(self.lock_bytes), str(os.getpid()),
+             *([] if self.lock else ["--touch"])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         )
         try:
             line = self._first_line()
-            if not line.startswith("locked "):
+            if not line.startswith(("locked ", "held ")):
                 code = self._proc.wait(timeout=5)
                 err = (self._proc.stderr.read() if self._proc.stderr else b"").decode(errors="replace")
                 last = (err.strip().splitlines() or [""])[-1]
@@ -231,7 +236,7 @@ def _spare_from_oom_killer() -> None:
     _set_oom_score_adj(-1000)
 
 
-def _hold(nbytes: int, parent: int, wait: Callable[[], bool]) -> int:
+def _hold(nbytes: int, parent: int, wait: Callable[[], bool], lock: bool = True) -> int:
     die_with_parent()
     if os.getppid() != parent:  # the parent died before the death signal was armed
         return 1
@@ -240,6 +245,13 @@ def _hold(nbytes: int, parent: int, wait: Callable[[], bool]) -> int:
     libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     addr = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    if not lock:
+        ctypes.memset(addr, 1, nbytes)  # every page written: taken, as anonymous memory without swap is
+        print(f"held {nbytes}", flush=True)
+        while wait():
+            if os.getppid() != parent:
+                break
+        return 0
     if libc.mlock(addr, nbytes) != 0:
         err = ctypes.get_errno()
         hint = {
@@ -263,11 +275,11 @@ def _stdin_open() -> bool:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: python -m bmoe.bench.balloon BYTES PARENT_PID", file=sys.stderr)
+    if len(argv) not in (2, 3) or argv[2:] not in ([], ["--touch"]):
+        print("usage: python -m bmoe.bench.balloon BYTES PARENT_PID [--touch]", file=sys.stderr)
         return 2
     try:
-        return _hold(int(argv[0]), int(argv[1]), _stdin_open)
+        return _hold(int(argv[0]), int(argv[1]), _stdin_open, lock=argv[2:] != ["--touch"])
     except KeyboardInterrupt:
         return 130
 

@@ -164,7 +164,7 @@ class PressureGuard:
         self.ceiling = ceiling
         self.settings = settings
         self.floor = floor
-        self._source = source
+        self.source = source
         self._clock = clock
         self._prev: PressureSample | None = None
         self._next_at = float("-inf")
@@ -176,7 +176,7 @@ class PressureGuard:
         if now < self._next_at:
             return None
         self._next_at = now + self.settings.interval_s
-        cur = self._source()
+        cur = self.source()
         self.samples += 1
         prev, self._prev = self._prev, cur
         out = decide(prev, cur, budget=budget, resident=resident, ceiling=self.ceiling, settings=self.settings,
