@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from bmoe.engine.config import RunConfig
+from bmoe.errors import BudgetError
 from bmoe.io.direct import ShardReader
 from bmoe.io.layout import ModelLayout
 from bmoe.io.regions import map_count_limit
@@ -122,7 +123,7 @@ class Streamer:
         if config.pressure_guard and budget.bytes > 0:
             guard = PressureGuard(budget.bytes, GuardSettings.around(needs.margin + needs.kept_pages))
         cache = ExpertCache(budget.bytes, layout.entry_bytes(), make_policy(config.cache_policy))
-        residency = Residency(layout, tensors, recycle=recycling_fits(layout, budget.bytes))
+        residency = Residency(layout, tensors, recycle=recycling_fits(layout, budget.bytes), shared=budget.bytes == 0)
         try:
             reader = open_reader(layout, config.odirect)
         except BaseException:
@@ -170,6 +171,9 @@ class Streamer:
 
     def set_budget(self, budget_bytes: int) -> None:
         """A new budget from the caller (between generations): also the guard's new ceiling."""
+        if budget_bytes > 0 and getattr(self.residency, "shared", False):
+            raise BudgetError("this session was opened with the cache off: every layer shares one set of expert "
+                              "slots, so it cannot cache; open it with a cache budget instead")
         self.prefetch.evict(self.cache.set_budget(budget_bytes))
         if self.guard is not None:
             self.guard.ceiling = budget_bytes
