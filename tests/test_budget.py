@@ -82,7 +82,7 @@ VmFlags: rd ex
 Size:                  4 kB
 Rss:                   4 kB
 Anonymous:             4 kB
-7f00-7f40 rw-p 00000000 00:00 0
+7f0000000000-7f0000100000 rw-p 00000000 00:00 0
 Size:               1024 kB
 Rss:                 256 kB
 Anonymous:           256 kB
@@ -109,6 +109,8 @@ def test_smaps_totals() -> None:
     assert t.code_file == 8 * 1024, "file pages of code; copy-on-write pages are anonymous; the model aside"
     assert parse_smaps(SMAPS).code_file == (8 + 20480) * 1024
     assert parse_smaps("") == SmapsTotals(0, 0)
+    experts = parse_smaps(SMAPS, ["/models/m.gguf"], exclude_ranges=[(0x7F0000080000, 0x7F0000180000)])
+    assert experts.untouched_anon == (1024 - 256 - 512 + 100 - 60) * 1024, "expert bytes are no need (the part inside the mapping)"
 
 
 def test_session_refuses_a_budget_that_cannot_fit_and_runs_it_forced(tiny, monkeypatch) -> None:

@@ -11,12 +11,14 @@ callback.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from bmoe.engine.config import RunConfig
 from bmoe.errors import BudgetError
 from bmoe.io.direct import ShardReader
+from bmoe.io.ggml import GgmlTensor
 from bmoe.io.layout import ModelLayout
 from bmoe.io.regions import map_count_limit
 from bmoe.metrics.stats import Counters
@@ -63,10 +65,15 @@ def read_smaps() -> str:
         return ""  # no smaps (not Linux, or hidden): buffers and code count as 0, the margin remains
 
 
-def measure_needs(layout: ModelLayout, *, dense_in_file: bool, n_batch: int, mem_total: int) -> Needs:
+def measure_needs(
+    layout: ModelLayout, *, dense_in_file: bool, n_batch: int, mem_total: int,
+    expert_data: Sequence[tuple[int, int]] = (),
+) -> Needs:
     """What the process needs besides the cache, measured now (after the model and its context
-    are made, before the expert regions are reserved: their address space is not a need)."""
-    smaps = parse_smaps(read_smaps(), [str(p) for p in layout.shards])
+    are made, before the expert regions are reserved: their address space is not a need).
+    ``expert_data``: [start, end) of where the open put each expert tensor's bytes (never touched
+    once rebound)."""
+    smaps = parse_smaps(read_smaps(), [str(p) for p in layout.shards], expert_data)
     transient = transient_bytes(layout.n_expert, layout.n_expert_used, n_batch, max(layout.entry_bytes().values()))
     return needs_from(smaps=smaps, dense_bytes=layout.dense_bytes, dense_in_file=dense_in_file,
                       transient=transient, mem_total=mem_total)
@@ -109,7 +116,11 @@ class Streamer:
         copied), not in anonymous memory the open already filled."""
         meminfo = read_meminfo()
         mem_total = meminfo.get("MemTotal", 0)
-        needs = measure_needs(layout, dense_in_file=dense_in_file, n_batch=n_batch, mem_total=mem_total)
+        nbytes = {(il, et.suffix): et.span.nbytes for il in layout.moe_layers for et in layout.layer_experts(il)}
+        expert_data = [(data, data + nbytes[key]) for key, addr in tensors.items()
+                       if (data := GgmlTensor.from_address(addr).data) and key in nbytes]
+        needs = measure_needs(layout, dense_in_file=dense_in_file, n_batch=n_batch, mem_total=mem_total,
+                              expert_data=expert_data)
         budget = resolve_budget(
             config.cache_bytes,
             ceiling=config.cache_ceiling_bytes,

@@ -132,19 +132,28 @@ class SmapsTotals:
     code_file: int  # file-backed pages in RAM, the excluded files' aside
 
 
-def parse_smaps(text: str, exclude_paths: Iterable[str] = ()) -> SmapsTotals:
+def parse_smaps(
+    text: str, exclude_paths: Iterable[str] = (), exclude_ranges: Iterable[tuple[int, int]] = ()
+) -> SmapsTotals:
     """Totals of ``/proc/<pid>/smaps`` text. ``exclude_paths``: files whose mappings are counted
-    elsewhere (the model's shards). Thread stacks count as untouched anonymous memory too: a few
-    MiB per thread of overestimate, on the safe side."""
+    elsewhere (the model's shards); ``exclude_ranges``: [start, end) address ranges whose mappings
+    are not needs (where the open put the expert tensors' bytes, never touched once they are
+    rebound to bmoe's own regions): their bytes are taken off the untouched part of the mappings
+    they overlap (the kernel merges neighbouring anonymous mappings, so a range may share one with
+    buffers that are needs). Thread stacks count as untouched anonymous memory too: a few MiB per
+    thread of overestimate, on the safe side."""
     excluded = set(exclude_paths)
+    ranges = list(exclude_ranges)
     untouched = code = 0
     kind: str | None = None  # "anon", "file" or None (not counted)
     size = rss = anon = 0
+    start = end = 0
 
     def flush() -> None:
         nonlocal untouched, code
         if kind == "anon":
-            untouched += max(0, size - rss)
+            skip = sum(max(0, min(end, hi) - max(start, lo)) for lo, hi in ranges)
+            untouched += max(0, size - rss - skip)
         elif kind == "file":
             code += max(0, rss - anon)
 
@@ -155,6 +164,8 @@ def parse_smaps(text: str, exclude_paths: Iterable[str] = ()) -> SmapsTotals:
             size = rss = anon = 0
             perms = head[1] if len(head) > 1 else ""
             path = head[5].strip() if len(head) > 5 else ""
+            lo, _, hi = head[0].partition("-")
+            start, end = int(lo, 16), int(hi, 16)
             if path.startswith("/"):
                 kind = None if path in excluded else "file"
             elif path in ("", "[heap]") and perms[:2] == "rw" and perms[3:4] == "p":
