@@ -502,8 +502,17 @@ async def _bmoe_child(spec: dict[str, Any]) -> dict[str, Any]:
             "io_fallback_reason": s.io_fallback_reason, "warnings": s.warnings, "budget_how": s.budget_how,
             "warmup_stats": warm.stats.as_dict() if warm is not None and warm.stats is not None else None,
             "disk_read_bytes": _delta(io0, io1), "major_faults": faults1 - faults0,
-            "ttft_s": ttft, "squeeze": squeeze,
+            "ttft_s": ttft, "squeeze": squeeze, "map_count": _map_count(),
         }
+
+
+def _map_count() -> int | None:
+    """Memory mappings this process holds (page moves split them; the kernel caps them)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return None
 
 
 async def _ttft(s: Any, lengths: Any) -> dict[str, float] | None:
