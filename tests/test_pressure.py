@@ -67,6 +67,11 @@ def test_psi_and_fault_signals_shrink_an_eighth() -> None:
     faulting = sample(2.0, 8 * GiB, psi=0, faults=1000)
     out = decide(prev, faulting, budget=8 * GiB, resident=8 * GiB, ceiling=8 * GiB, settings=S, since_change_s=1e9)
     assert out is not None and out[0] == 7 * GiB and "500 major faults/s" in out[1]
+    held = decide(prev, stalled, budget=8 * GiB, resident=8 * GiB, ceiling=8 * GiB, settings=S, since_change_s=0.5)
+    assert held is None, "stalls alone shrink at most once per signal cooldown"
+    short = decide(prev, sample(1.0, 100 * MiB, psi=400_000), budget=8 * GiB, resident=8 * GiB, ceiling=8 * GiB,
+                   settings=S, since_change_s=0.0)
+    assert short is not None and short[0] == 8 * GiB - (1536 - 100) * MiB, "a shortfall is never held back"
     calm = sample(1.0, 8 * GiB, psi=100_000, faults=100)  # 10 %, 100/s: below both bars
     assert decide(prev, calm, budget=8 * GiB, resident=8 * GiB, ceiling=8 * GiB, settings=S, since_change_s=0) is None
     blind = sample(1.0, None, psi=None, faults=None)
