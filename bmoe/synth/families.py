@@ -1,0 +1,401 @@
+"""The tensor sets and keys of the MoE families beyond bmoe's first three, for tiny fixtures.
+
+Each family writes exactly what its loader in the pinned llama.cpp (``src/models/<arch>.cpp``)
+creates, at tiny widths, so that the pin loads and decodes it: extra tensors fail the load, and
+several missing or malformed keys abort the process (see ``../shared/ARCHITECTURES.md``). Shapes
+here are numpy order (outermost first), the reverse of ggml's. What a family chooses beyond the
+loader (how many leading dense blocks, which layers are recurrent, MTP blocks) is chosen so the
+fixture exercises what bmoe must handle: layers without experts, shared experts and resident
+expert-dimension tensors, MXFP4, MTP blocks, recurrent state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from gguf import GGMLQuantizationType, GGUFWriter
+
+if TYPE_CHECKING:
+    from bmoe.synth.tiny import _Builder
+
+MXFP4 = GGMLQuantizationType.MXFP4
+SMALL_STD = 0.1  # biases, selection biases, sinks: present and varied, never dominant
+
+
+@dataclass(frozen=True)
+class Family:
+    arch: str
+    layer: Callable[[_Builder, int], None]  # the tensors of block il (MTP blocks included)
+    keys: Callable[[GGUFWriter, _Builder], None]  # keys beyond write_moe_keys
+    min_layers: int = 1
+    default_layers: int = 2
+    # Keys of write_moe_keys this family writes differently (MLA head sizes, per-layer KV heads).
+    overrides: Callable[[_Builder], dict[str, Any]] = lambda b: {}
+    output_norm: str = "output_norm.weight"
+    fuses_gate_up: bool = False  # may write ffn_gate_up_exps (llama.cpp accepts either)
+    mtp: bool = False  # may carry nextn_predict_layers MTP blocks
+
+
+# --- shared pieces --------------------------------------------------------------------------
+
+
+def _attn(b: _Builder, p: str, *, q_mult: int = 1, norms: bool = True) -> None:
+    E, hd = b.E, b.hd
+    q_dim, kv_dim = b.n_head * hd, b.n_head_kv * hd
+    b.mat(p + "attn_q.weight", (q_mult * q_dim, E), E ** -0.5)
+    b.mat(p + "attn_k.weight", (kv_dim, E), E ** -0.5)
+    b.mat(p + "attn_v.weight", (kv_dim, E), E ** -0.5)
+    b.mat(p + "attn_output.weight", (E, q_dim), q_dim ** -0.5)
+    if norms:
+        b.ones(p + "attn_q_norm.weight", hd)
+        b.ones(p + "attn_k_norm.weight", hd)
+
+
+def _dense_ffn(b: _Builder, p: str, width: int) -> None:
+    E = b.E
+    b.mat(p + "ffn_gate.weight", (width, E), E ** -0.5)
+    b.mat(p + "ffn_up.weight", (width, E), E ** -0.5)
+    b.mat(p + "ffn_down.weight", (E, width), width ** -0.5)
+
+
+def _shexp(b: _Builder, p: str, width: int) -> None:
+    E = b.E
+    b.mat(p + "ffn_gate_shexp.weight", (width, E), E ** -0.5)
+    b.mat(p + "ffn_up_shexp.weight", (width, E), E ** -0.5)
+    b.mat(p + "ffn_down_shexp.weight", (E, width), width ** -0.5)
+
+
+def _router(b: _Builder, p: str, probs_bias: bool = False) -> None:
+    b.mat(p + "ffn_gate_inp.weight", (b.spec.n_expert, b.E), b.router_std)
+    if probs_bias:
+        b.f32(p + "exp_probs_b.bias", (b.spec.n_expert,), SMALL_STD)
+
+
+def _nextn(b: _Builder, p: str) -> None:
+    E = b.E
+    b.mat(p + "nextn.eh_proj.weight", (E, 2 * E), (2 * E) ** -0.5)
+    b.ones(p + "nextn.enorm.weight", E)
+    b.ones(p + "nextn.hnorm.weight", E)
+
+
+def _is_mtp(b: _Builder, il: int) -> bool:
+    return il >= b.spec.n_layer
+
+
+def _gating(w: GGUFWriter, a: str, func: int = 2) -> None:
+    w.add_uint32(f"{a}.expert_gating_func", func)
+    w.add_bool(f"{a}.expert_weights_norm", True)
+    w.add_float32(f"{a}.expert_weights_scale", 1.0)
+
+
+# --- gpt-oss ----------------------------------------------------------------------------------
+
+
+def _gpt_oss_layer(b: _Builder, il: int) -> None:
+    p, E, F, N = f"blk.{il}.", b.E, b.F, b.spec.n_expert
+    b.ones(p + "attn_norm.weight", E)
+    b.ones(p + "post_attention_norm.weight", E)
+    _attn(b, p, norms=False)
+    b.f32(p + "attn_output.bias", (E,), SMALL_STD)
+    b.f32(p + "attn_sinks.weight", (b.n_head,), SMALL_STD)
+    _router(b, p)
+    b.f32(p + "ffn_gate_inp.bias", (N,), SMALL_STD)
+    b.experts(p, qtype=MXFP4)
+    # Per-expert biases (ggml_add_id by the routed ids): an expert dimension, but resident.
+    b.f32(p + "ffn_gate_exps.bias", (N, F), SMALL_STD)
+    b.f32(p + "ffn_up_exps.bias", (N, F), SMALL_STD)
+    b.f32(p + "ffn_down_exps.bias", (N, E), SMALL_STD)
+
+
+def _gpt_oss_keys(w: GGUFWriter, b: _Builder) -> None:
+    w.add_uint32("gpt-oss.attention.sliding_window", 128)
+
+
+# --- glm4moe / bailingmoe2 / deepseek2: dense lead, shared experts, selection bias, MTP ---------
+
+
+def _glm4moe_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "attn_norm.weight", E)
+    _attn(b, p)
+    b.ones(p + "post_attention_norm.weight", E)
+    if il < b.dense_lead:
+        _dense_ffn(b, p, b.F_dense)
+    else:
+        _router(b, p, probs_bias=True)
+        b.experts(p)
+        _shexp(b, p, b.F)
+    if _is_mtp(b, il):
+        _nextn(b, p)
+
+
+def _glm4moe_keys(w: GGUFWriter, b: _Builder) -> None:
+    a = "glm4moe"
+    w.add_uint32(f"{a}.feed_forward_length", b.F_dense)
+    w.add_uint32(f"{a}.expert_shared_count", 1)
+    w.add_uint32(f"{a}.leading_dense_block_count", b.dense_lead)
+    _gating(w, a)
+
+
+def _bailing_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "attn_norm.weight", E)
+    b.mat(p + "attn_qkv.weight", (E + 2 * b.n_head_kv * b.hd, E), E ** -0.5)
+    b.mat(p + "attn_output.weight", (E, b.n_head * b.hd), E ** -0.5)
+    b.ones(p + "attn_q_norm.weight", b.hd)
+    b.ones(p + "attn_k_norm.weight", b.hd)
+    b.ones(p + "ffn_norm.weight", E)
+    if il < b.dense_lead:
+        _dense_ffn(b, p, b.F_dense)
+    else:
+        _router(b, p, probs_bias=True)
+        b.experts(p)
+        _shexp(b, p, b.F)
+    if _is_mtp(b, il):
+        _nextn(b, p)
+        b.ones(p + "layer_output_norm.weight", E)
+
+
+def _bailing_keys(w: GGUFWriter, b: _Builder) -> None:
+    a = "bailingmoe2"
+    w.add_uint32(f"{a}.feed_forward_length", b.F_dense)
+    w.add_uint32(f"{a}.expert_shared_count", 1)
+    w.add_uint32(f"{a}.leading_dense_block_count", b.dense_lead)
+    w.add_uint32(f"{a}.expert_group_count", 2)
+    w.add_uint32(f"{a}.expert_group_used_count", 1)
+    _gating(w, a)
+
+
+# DeepSeek MLA widths (ARCHITECTURES.md's verified fixture): q and kv low-rank, nope/rope/v heads.
+_DS_Q_RANK, _DS_KV_RANK, _DS_NOPE, _DS_ROPE, _DS_V = 64, 64, 32, 16, 32
+
+
+def _deepseek2_layer(b: _Builder, il: int) -> None:
+    p, E, H = f"blk.{il}.", b.E, b.n_head
+    b.ones(p + "attn_norm.weight", E)
+    b.ones(p + "attn_q_a_norm.weight", _DS_Q_RANK)
+    b.ones(p + "attn_kv_a_norm.weight", _DS_KV_RANK)
+    b.mat(p + "attn_q_a.weight", (_DS_Q_RANK, E), E ** -0.5)
+    b.mat(p + "attn_q_b.weight", (H * (_DS_NOPE + _DS_ROPE), _DS_Q_RANK), _DS_Q_RANK ** -0.5)
+    b.mat(p + "attn_kv_a_mqa.weight", (_DS_KV_RANK + _DS_ROPE, E), E ** -0.5)
+    b.mat(p + "attn_k_b.weight", (H, _DS_KV_RANK, _DS_NOPE), _DS_NOPE ** -0.5)
+    b.mat(p + "attn_v_b.weight", (H, _DS_V, _DS_KV_RANK), _DS_KV_RANK ** -0.5)
+    b.mat(p + "attn_output.weight", (E, H * _DS_V), (H * _DS_V) ** -0.5)
+    b.ones(p + "ffn_norm.weight", E)
+    if il < b.dense_lead:
+        _dense_ffn(b, p, b.F_dense)
+    else:
+        _router(b, p, probs_bias=True)
+        b.experts(p)
+        _shexp(b, p, b.F)
+    if _is_mtp(b, il):
+        _nextn(b, p)
+
+
+def _deepseek2_keys(w: GGUFWriter, b: _Builder) -> None:
+    a = "deepseek2"
+    w.add_uint32(f"{a}.feed_forward_length", b.F_dense)
+    w.add_uint32(f"{a}.attention.q_lora_rank", _DS_Q_RANK)
+    w.add_uint32(f"{a}.attention.kv_lora_rank", _DS_KV_RANK)
+    w.add_uint32(f"{a}.attention.key_length_mla", _DS_NOPE + _DS_ROPE)
+    w.add_uint32(f"{a}.attention.value_length_mla", _DS_V)
+    w.add_uint32(f"{a}.expert_shared_count", 1)
+    w.add_uint32(f"{a}.leading_dense_block_count", b.dense_lead)
+    w.add_uint32(f"{a}.expert_group_count", 4)
+    w.add_uint32(f"{a}.expert_group_used_count", 2)
+    _gating(w, a)
+
+
+def _deepseek2_overrides(b: _Builder) -> dict[str, Any]:
+    # MLA: the KV cache holds the compressed latent; one KV head of kv_rank + rope widths.
+    return {"n_head_kv": 1, "key_length": _DS_KV_RANK + _DS_ROPE, "value_length": _DS_KV_RANK,
+            "rope_dims": _DS_ROPE}
+
+
+# --- minimax-m2, qwen3vlmoe, llama4 --------------------------------------------------------------
+
+
+def _minimax_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    _attn(b, p, norms=False)
+    b.ones(p + "attn_norm.weight", E)
+    b.ones(p + "attn_q_norm.weight", b.n_head * b.hd)  # full-width q/k norms
+    b.ones(p + "attn_k_norm.weight", b.n_head_kv * b.hd)
+    b.ones(p + "ffn_norm.weight", E)
+    _router(b, p, probs_bias=True)
+    b.experts(p)
+
+
+def _minimax_keys(w: GGUFWriter, b: _Builder) -> None:
+    w.add_uint32("minimax-m2.feed_forward_length", b.F)  # the experts' width on this arch
+    w.add_uint32("minimax-m2.expert_gating_func", 2)
+
+
+def _qwen3vl_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "attn_norm.weight", E)
+    _attn(b, p)
+    b.ones(p + "ffn_norm.weight", E)
+    _router(b, p)
+    b.experts(p)
+
+
+def _sections(rope_dims: int) -> list[int]:
+    """M-RoPE sections over rope_dims/2 rotations, t/h/w as the real models split them."""
+    half = rope_dims // 2
+    t = half - 2 * (half * 5 // 16)
+    return [t, half * 5 // 16, half * 5 // 16, 0]
+
+
+def _qwen3vl_keys(w: GGUFWriter, b: _Builder) -> None:
+    w.add_array("qwen3vlmoe.rope.dimension_sections", _sections(b.hd))
+
+
+LLAMA4_STEP = 2  # Maverick's interleave: every second block is MoE, the others dense
+
+
+def _llama4_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "attn_norm.weight", E)
+    _attn(b, p, norms=False)
+    b.ones(p + "ffn_norm.weight", E)
+    if (il + 1) % LLAMA4_STEP == 0:
+        _router(b, p)
+        b.experts(p)
+        _shexp(b, p, b.F)
+    else:
+        _dense_ffn(b, p, b.F_dense)
+
+
+def _llama4_keys(w: GGUFWriter, b: _Builder) -> None:
+    w.add_uint32("llama4.feed_forward_length", b.F_dense)
+    w.add_uint32("llama4.interleave_moe_layer_step", LLAMA4_STEP)
+
+
+# --- hybrid recurrent: qwen35moe, qwen3next (gated delta net), lfm2moe (short conv) -------------
+
+# Gated-delta-net widths: state S, key heads Kh, value heads Vh, conv kernel Kc.
+_GDN_S, _GDN_KH, _GDN_VH, _GDN_KC = 16, 2, 4, 4
+FULL_ATTENTION_INTERVAL = 2  # every second block full attention, the others linear
+
+
+def _qwen35_layer(b: _Builder, il: int, *, next_variant: bool = False) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "attn_norm.weight", E)
+    b.ones(p + "post_attention_norm.weight", E)
+    recurrent = not _is_mtp(b, il) and (il + 1) % FULL_ATTENTION_INTERVAL != 0
+    if not recurrent:
+        _attn(b, p, q_mult=2)  # the query carries its output gate
+    else:
+        key_dim, value_dim = _GDN_S * _GDN_KH, _GDN_S * _GDN_VH
+        conv_dim = 2 * key_dim + value_dim
+        b.mat(p + "attn_qkv.weight", (conv_dim, E), E ** -0.5)
+        b.mat(p + "attn_gate.weight", (value_dim, E), E ** -0.5)
+        b.f32(p + "ssm_conv1d.weight", (conv_dim, _GDN_KC), _GDN_KC ** -0.5)
+        b.f32(p + "ssm_dt.bias", (_GDN_VH,), SMALL_STD)
+        b.const(p + "ssm_a", _GDN_VH, -1.0)  # -exp(A_log): a decaying state
+        if next_variant:
+            b.mat(p + "ssm_ba.weight", (2 * _GDN_VH, E), E ** -0.5)
+        else:
+            b.mat(p + "ssm_beta.weight", (_GDN_VH, E), E ** -0.5)
+            b.mat(p + "ssm_alpha.weight", (_GDN_VH, E), E ** -0.5)
+        b.ones(p + "ssm_norm.weight", _GDN_S)
+        b.mat(p + "ssm_out.weight", (E, value_dim), value_dim ** -0.5)
+    _router(b, p)
+    b.experts(p)
+    b.f32(p + "ffn_gate_inp_shexp.weight", (E,), E ** -0.5)
+    _shexp(b, p, b.F)
+    if _is_mtp(b, il):
+        _nextn(b, p)
+
+
+def _qwen3next_layer(b: _Builder, il: int) -> None:
+    _qwen35_layer(b, il, next_variant=True)
+
+
+def _gdn_keys(w: GGUFWriter, b: _Builder, a: str) -> None:
+    w.add_uint32(f"{a}.ssm.conv_kernel", _GDN_KC)
+    w.add_uint32(f"{a}.ssm.state_size", _GDN_S)
+    w.add_uint32(f"{a}.ssm.group_count", _GDN_KH)
+    w.add_uint32(f"{a}.ssm.time_step_rank", _GDN_VH)
+    w.add_uint32(f"{a}.ssm.inner_size", _GDN_S * _GDN_VH)
+    w.add_uint32(f"{a}.full_attention_interval", FULL_ATTENTION_INTERVAL)
+    w.add_uint32(f"{a}.expert_shared_feed_forward_length", b.F)
+
+
+def _qwen35_keys(w: GGUFWriter, b: _Builder) -> None:
+    _gdn_keys(w, b, "qwen35moe")
+    w.add_array("qwen35moe.rope.dimension_sections", _sections(b.hd // 2))
+
+
+def _qwen3next_keys(w: GGUFWriter, b: _Builder) -> None:
+    _gdn_keys(w, b, "qwen3next")
+
+
+def _partial_rope(b: _Builder) -> dict[str, Any]:
+    return {"rope_dims": b.hd // 2}
+
+
+SHORTCONV_L_CACHE = 3
+
+
+def _lfm2_attention(b: _Builder, il: int) -> bool:
+    return il == b.spec.n_layer - 1  # the last block attends, the others short-conv
+
+
+def _lfm2_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "ffn_norm.weight", E)
+    if il < b.dense_lead:
+        _dense_ffn(b, p, b.F_dense)
+    else:
+        _router(b, p, probs_bias=True)
+        b.experts(p)
+    b.ones(p + "attn_norm.weight", E)
+    if _lfm2_attention(b, il):
+        b.ones(p + "attn_q_norm.weight", b.hd)
+        b.ones(p + "attn_k_norm.weight", b.hd)
+        b.mat(p + "attn_q.weight", (E, E), E ** -0.5)
+        b.mat(p + "attn_k.weight", (b.n_head_kv * b.hd, E), E ** -0.5)
+        b.mat(p + "attn_v.weight", (b.n_head_kv * b.hd, E), E ** -0.5)
+        b.mat(p + "attn_output.weight", (E, E), E ** -0.5)
+    else:
+        b.f32(p + "shortconv.conv.weight", (E, SHORTCONV_L_CACHE), SHORTCONV_L_CACHE ** -0.5)
+        b.mat(p + "shortconv.in_proj.weight", (3 * E, E), E ** -0.5)
+        b.mat(p + "shortconv.out_proj.weight", (E, E), E ** -0.5)
+
+
+def _lfm2_keys(w: GGUFWriter, b: _Builder) -> None:
+    a = "lfm2moe"
+    w.add_uint32(f"{a}.feed_forward_length", b.F_dense)
+    w.add_uint32(f"{a}.shortconv.l_cache", SHORTCONV_L_CACHE)
+    w.add_uint32(f"{a}.leading_dense_block_count", b.dense_lead)
+    _gating(w, a)
+
+
+def _lfm2_overrides(b: _Builder) -> dict[str, Any]:
+    # Per-block KV heads: 0 marks a short-conv block.
+    return {"n_head_kv": [b.n_head_kv if _lfm2_attention(b, il) else 0 for il in range(b.spec.n_layer)]}
+
+
+FAMILIES: dict[str, Family] = {
+    f.arch: f
+    for f in (
+        Family("gpt-oss", _gpt_oss_layer, _gpt_oss_keys, min_layers=2),
+        Family("glm4moe", _glm4moe_layer, _glm4moe_keys, min_layers=2, mtp=True),
+        Family("bailingmoe2", _bailing_layer, _bailing_keys, min_layers=2, mtp=True),
+        Family("deepseek2", _deepseek2_layer, _deepseek2_keys, min_layers=2, default_layers=3,
+               overrides=_deepseek2_overrides, fuses_gate_up=True, mtp=True),
+        Family("minimax-m2", _minimax_layer, _minimax_keys),
+        Family("qwen3vlmoe", _qwen3vl_layer, _qwen3vl_keys),
+        Family("llama4", _llama4_layer, _llama4_keys, min_layers=4, default_layers=4),
+        Family("qwen35moe", _qwen35_layer, _qwen35_keys, min_layers=2, overrides=_partial_rope,
+               fuses_gate_up=True, mtp=True),
+        Family("qwen3next", _qwen3next_layer, _qwen3next_keys, min_layers=2, overrides=_partial_rope,
+               fuses_gate_up=True, mtp=True),
+        Family("lfm2moe", _lfm2_layer, _lfm2_keys, min_layers=3, default_layers=3,
+               overrides=_lfm2_overrides, output_norm="token_embd_norm.weight"),
+    )
+}
