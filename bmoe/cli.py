@@ -124,11 +124,13 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
 def _tiny_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-tiny", help="write a small random MoE GGUF (tests, measurements)")
     p.add_argument("out", type=Path)
-    p.add_argument("--arch", default="qwen3moe", choices=("qwen3moe", "qwen2moe", "gemma4"))
+    # Checked by TinySpec.validate, which names the choices (bmoe --list-archs).
+    p.add_argument("--arch", default="qwen3moe")
     p.add_argument("--type", dest="wtype", default="f32", choices=("f32", "f16", "q8_0"))
     p.add_argument("--shards", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--layers", type=int, default=None, help="main blocks (default: the arch's, 2 for most)")
+    p.add_argument("--mtp", type=int, default=0, help="MTP blocks after them (archs that have them)")
     p.add_argument("--embd", type=int, default=128)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--used", type=int, default=2)
@@ -400,7 +402,7 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
 
     spec = TinySpec(arch=args.arch, wtype=args.wtype, n_layer=args.layers, n_embd=args.embd,
                     n_expert=args.experts, n_expert_used=args.used, n_ff=args.ff, seed=args.seed,
-                    shards=args.shards)
+                    shards=args.shards, n_nextn=args.mtp)
     paths = _write_with_progress(args.out, spec)
     print(paths[0])
     return 0

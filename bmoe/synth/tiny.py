@@ -28,8 +28,8 @@ from bmoe.errors import ConfigError
 from bmoe.synth.families import FAMILIES
 from bmoe.synth.vocab import CONTROL_IDS, Vocab, byte_vocab, write_tokenizer
 
-_OWN = ("qwen3moe", "qwen2moe", "gemma4")  # planned in this module; the others in families.py
-ARCHS = _OWN + tuple(FAMILIES)
+CORE_ARCHS = ("qwen3moe", "qwen2moe", "gemma4")  # planned in this module; the others in families.py
+ARCHS = CORE_ARCHS + tuple(FAMILIES)
 
 _WTYPES = {
     "f32": (GGMLQuantizationType.F32, LlamaFileType.ALL_F32),
@@ -414,12 +414,15 @@ def _pad(f: BinaryIO, align: int = GGUF_ALIGNMENT) -> None:
 
 
 def write_tiny(path: str | os.PathLike, spec: TinySpec,
-               progress: Callable[[int, int], None] | None = None) -> list[Path]:
+               progress: Callable[[int, int], None] | None = None,
+               edit_metadata: Callable[[GGUFWriter], None] | None = None) -> list[Path]:
     """Write the model and return its files, the one to open first.
 
     With ``spec.shards > 1`` the files are ``<stem>-0000i-of-0000N.gguf`` beside ``path`` (the
     names llama.cpp derives the rest of a split set from) and ``path`` itself is not written.
     ``progress(bytes_done, bytes_total)`` is called after each tensor, over tensor data bytes.
+    ``edit_metadata(writer)`` may change shard 1's keys before they are written (``writer.kv_data[0]``
+    is the dict of them): how tests make the malformed files llama.cpp would abort on.
     """
     spec.validate()
     path = Path(path)
@@ -440,6 +443,8 @@ def write_tiny(path: str | os.PathLike, spec: TinySpec,
         w = GGUFWriter(file, spec.arch)
         if i == 0:
             _write_metadata(w, spec, dims, vocab)
+            if edit_metadata is not None:
+                edit_metadata(w)
         if n > 1:
             w.add_uint16("split.no", i)
             w.add_uint16("split.count", n)
