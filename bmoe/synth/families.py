@@ -36,6 +36,9 @@ class Family:
     output_norm: str = "output_norm.weight"
     fuses_gate_up: bool = False  # may write ffn_gate_up_exps (llama.cpp accepts either)
     mtp: bool = False  # may carry nextn_predict_layers MTP blocks
+    # Family widths beyond the common ones (MLA ranks, gated-delta-net heads, groups, ...): the tiny
+    # fixture's values; ``synth --like`` replaces them with a real model's (``MoeShape.extra``).
+    extra: tuple[tuple[str, Any], ...] = ()
 
 
 # --- shared pieces --------------------------------------------------------------------------
@@ -110,7 +113,7 @@ def _gpt_oss_layer(b: _Builder, il: int) -> None:
 
 
 def _gpt_oss_keys(w: GGUFWriter, b: _Builder) -> None:
-    w.add_uint32("gpt-oss.attention.sliding_window", 128)
+    w.add_uint32("gpt-oss.attention.sliding_window", b.x["sliding_window"])
 
 
 # --- glm4moe / bailingmoe2 / deepseek2: dense lead, shared experts, selection bias, MTP ---------
@@ -126,7 +129,7 @@ def _glm4moe_layer(b: _Builder, il: int) -> None:
     else:
         _router(b, p, probs_bias=True)
         b.experts(p)
-        _shexp(b, p, b.F)
+        _shexp(b, p, b.F * b.x["n_shared"])
     if _is_mtp(b, il):
         _nextn(b, p)
 
@@ -134,7 +137,7 @@ def _glm4moe_layer(b: _Builder, il: int) -> None:
 def _glm4moe_keys(w: GGUFWriter, b: _Builder) -> None:
     a = "glm4moe"
     w.add_uint32(f"{a}.feed_forward_length", b.F_dense)
-    w.add_uint32(f"{a}.expert_shared_count", 1)
+    w.add_uint32(f"{a}.expert_shared_count", b.x["n_shared"])
     w.add_uint32(f"{a}.leading_dense_block_count", b.dense_lead)
     _gating(w, a)
 
@@ -163,55 +166,67 @@ def _bailing_keys(w: GGUFWriter, b: _Builder) -> None:
     w.add_uint32(f"{a}.feed_forward_length", b.F_dense)
     w.add_uint32(f"{a}.expert_shared_count", 1)
     w.add_uint32(f"{a}.leading_dense_block_count", b.dense_lead)
-    w.add_uint32(f"{a}.expert_group_count", 2)
-    w.add_uint32(f"{a}.expert_group_used_count", 1)
+    _groups(w, a, b)
     _gating(w, a)
 
 
 # DeepSeek MLA widths (ARCHITECTURES.md's verified fixture): q and kv low-rank, nope/rope/v heads.
-_DS_Q_RANK, _DS_KV_RANK, _DS_NOPE, _DS_ROPE, _DS_V = 64, 64, 32, 16, 32
+_DS_MLA = (("q_rank", 64), ("kv_rank", 64), ("nope", 32), ("rope", 16), ("v", 32), ("groups", (4, 2)),
+           ("gating", 2), ("n_shared", 1))
 
 
 def _deepseek2_layer(b: _Builder, il: int) -> None:
-    p, E, H = f"blk.{il}.", b.E, b.n_head
+    p, E, H, x = f"blk.{il}.", b.E, b.n_head, b.x
+    q_rank, kv_rank, nope, rope, v = x["q_rank"], x["kv_rank"], x["nope"], x["rope"], x["v"]
     b.ones(p + "attn_norm.weight", E)
-    b.ones(p + "attn_q_a_norm.weight", _DS_Q_RANK)
-    b.ones(p + "attn_kv_a_norm.weight", _DS_KV_RANK)
-    b.mat(p + "attn_q_a.weight", (_DS_Q_RANK, E), E ** -0.5)
-    b.mat(p + "attn_q_b.weight", (H * (_DS_NOPE + _DS_ROPE), _DS_Q_RANK), _DS_Q_RANK ** -0.5)
-    b.mat(p + "attn_kv_a_mqa.weight", (_DS_KV_RANK + _DS_ROPE, E), E ** -0.5)
-    b.mat(p + "attn_k_b.weight", (H, _DS_KV_RANK, _DS_NOPE), _DS_NOPE ** -0.5)
-    b.mat(p + "attn_v_b.weight", (H, _DS_V, _DS_KV_RANK), _DS_KV_RANK ** -0.5)
-    b.mat(p + "attn_output.weight", (E, H * _DS_V), (H * _DS_V) ** -0.5)
+    if q_rank:
+        b.ones(p + "attn_q_a_norm.weight", q_rank)
+    b.ones(p + "attn_kv_a_norm.weight", kv_rank)
+    if q_rank:
+        b.mat(p + "attn_q_a.weight", (q_rank, E), E ** -0.5)
+        b.mat(p + "attn_q_b.weight", (H * (nope + rope), q_rank), q_rank ** -0.5)
+    else:  # the Lite models: no query compression
+        b.mat(p + "attn_q.weight", (H * (nope + rope), E), E ** -0.5)
+    b.mat(p + "attn_kv_a_mqa.weight", (kv_rank + rope, E), E ** -0.5)
+    b.mat(p + "attn_k_b.weight", (H, kv_rank, nope), nope ** -0.5)
+    b.mat(p + "attn_v_b.weight", (H, v, kv_rank), kv_rank ** -0.5)
+    b.mat(p + "attn_output.weight", (E, H * v), (H * v) ** -0.5)
     b.ones(p + "ffn_norm.weight", E)
     if il < b.dense_lead:
         _dense_ffn(b, p, b.F_dense)
     else:
         _router(b, p, probs_bias=True)
         b.experts(p)
-        _shexp(b, p, b.F)
+        _shexp(b, p, b.F * b.x["n_shared"])
     if _is_mtp(b, il):
         _nextn(b, p)
 
 
+def _groups(w: GGUFWriter, a: str, b: _Builder) -> None:
+    if b.x.get("groups"):
+        w.add_uint32(f"{a}.expert_group_count", b.x["groups"][0])
+        w.add_uint32(f"{a}.expert_group_used_count", b.x["groups"][1])
+
+
 def _deepseek2_keys(w: GGUFWriter, b: _Builder) -> None:
-    a = "deepseek2"
+    a, x = "deepseek2", b.x
     w.add_uint32(f"{a}.feed_forward_length", b.F_dense)
-    w.add_uint32(f"{a}.attention.q_lora_rank", _DS_Q_RANK)
-    w.add_uint32(f"{a}.attention.kv_lora_rank", _DS_KV_RANK)
-    w.add_uint32(f"{a}.attention.key_length_mla", _DS_NOPE + _DS_ROPE)
-    w.add_uint32(f"{a}.attention.value_length_mla", _DS_V)
-    w.add_uint32(f"{a}.expert_shared_count", 1)
+    if x["q_rank"]:
+        w.add_uint32(f"{a}.attention.q_lora_rank", x["q_rank"])
+    w.add_uint32(f"{a}.attention.kv_lora_rank", x["kv_rank"])
+    w.add_uint32(f"{a}.attention.key_length_mla", x["nope"] + x["rope"])
+    w.add_uint32(f"{a}.attention.value_length_mla", x["v"])
+    w.add_uint32(f"{a}.expert_shared_count", x["n_shared"])
     w.add_uint32(f"{a}.leading_dense_block_count", b.dense_lead)
-    w.add_uint32(f"{a}.expert_group_count", 4)
-    w.add_uint32(f"{a}.expert_group_used_count", 2)
-    _gating(w, a)
+    _groups(w, a, b)
+    _gating(w, a, x["gating"])
 
 
 def _deepseek2_overrides(b: _Builder) -> dict[str, Any]:
     # MLA: the KV cache holds the compressed latent; one KV head of kv_rank + rope widths.
-    return {"n_head_kv": 1, "key_length": _DS_KV_RANK + _DS_ROPE, "value_length": _DS_KV_RANK,
-            "rope_dims": _DS_ROPE}
+    x = b.x
+    return {"n_head_kv": 1, "key_length": x["kv_rank"] + x["rope"], "value_length": x["kv_rank"],
+            "rope_dims": x["rope"]}
 
 
 # --- minimax-m2, qwen3vlmoe, llama4 --------------------------------------------------------------
@@ -276,37 +291,38 @@ def _llama4_keys(w: GGUFWriter, b: _Builder) -> None:
 
 # --- hybrid recurrent: qwen35moe, qwen3next (gated delta net), lfm2moe (short conv) -------------
 
-# Gated-delta-net widths: state S, key heads Kh, value heads Vh, conv kernel Kc.
-_GDN_S, _GDN_KH, _GDN_VH, _GDN_KC = 16, 2, 4, 4
-FULL_ATTENTION_INTERVAL = 2  # every second block full attention, the others linear
+# Gated-delta-net widths: state S, key heads Kh, value heads Vh, conv kernel Kc; every
+# ``full_attn``-th block full attention (2 here: the others linear), the rope over ``rope`` dims.
+_GDN = (("gdn_s", 16), ("gdn_kh", 2), ("gdn_vh", 4), ("gdn_kc", 4), ("full_attn", 2), ("rope", 0))
 
 
 def _qwen35_layer(b: _Builder, il: int, *, next_variant: bool = False) -> None:
-    p, E = f"blk.{il}.", b.E
+    p, E, x = f"blk.{il}.", b.E, b.x
+    S, Kh, Vh, Kc = x["gdn_s"], x["gdn_kh"], x["gdn_vh"], x["gdn_kc"]
     b.ones(p + "attn_norm.weight", E)
     b.ones(p + "post_attention_norm.weight", E)
-    recurrent = not _is_mtp(b, il) and (il + 1) % FULL_ATTENTION_INTERVAL != 0
+    recurrent = not _is_mtp(b, il) and (il + 1) % x["full_attn"] != 0
     if not recurrent:
         _attn(b, p, q_mult=2)  # the query carries its output gate
     else:
-        key_dim, value_dim = _GDN_S * _GDN_KH, _GDN_S * _GDN_VH
+        key_dim, value_dim = S * Kh, S * Vh
         conv_dim = 2 * key_dim + value_dim
         b.mat(p + "attn_qkv.weight", (conv_dim, E), E ** -0.5)
         b.mat(p + "attn_gate.weight", (value_dim, E), E ** -0.5)
-        b.f32(p + "ssm_conv1d.weight", (conv_dim, _GDN_KC), _GDN_KC ** -0.5)
-        b.f32(p + "ssm_dt.bias", (_GDN_VH,), SMALL_STD)
-        b.const(p + "ssm_a", _GDN_VH, -1.0)  # -exp(A_log): a decaying state
+        b.f32(p + "ssm_conv1d.weight", (conv_dim, Kc), Kc ** -0.5)
+        b.f32(p + "ssm_dt.bias", (Vh,), SMALL_STD)
+        b.const(p + "ssm_a", Vh, -1.0)  # -exp(A_log): a decaying state
         if next_variant:
-            b.mat(p + "ssm_ba.weight", (2 * _GDN_VH, E), E ** -0.5)
+            b.mat(p + "ssm_ba.weight", (2 * Vh, E), E ** -0.5)
         else:
-            b.mat(p + "ssm_beta.weight", (_GDN_VH, E), E ** -0.5)
-            b.mat(p + "ssm_alpha.weight", (_GDN_VH, E), E ** -0.5)
-        b.ones(p + "ssm_norm.weight", _GDN_S)
+            b.mat(p + "ssm_beta.weight", (Vh, E), E ** -0.5)
+            b.mat(p + "ssm_alpha.weight", (Vh, E), E ** -0.5)
+        b.ones(p + "ssm_norm.weight", S)
         b.mat(p + "ssm_out.weight", (E, value_dim), value_dim ** -0.5)
     _router(b, p)
     b.experts(p)
     b.f32(p + "ffn_gate_inp_shexp.weight", (E,), E ** -0.5)
-    _shexp(b, p, b.F)
+    _shexp(b, p, b.F_shexp)
     if _is_mtp(b, il):
         _nextn(b, p)
 
@@ -316,18 +332,19 @@ def _qwen3next_layer(b: _Builder, il: int) -> None:
 
 
 def _gdn_keys(w: GGUFWriter, b: _Builder, a: str) -> None:
-    w.add_uint32(f"{a}.ssm.conv_kernel", _GDN_KC)
-    w.add_uint32(f"{a}.ssm.state_size", _GDN_S)
-    w.add_uint32(f"{a}.ssm.group_count", _GDN_KH)
-    w.add_uint32(f"{a}.ssm.time_step_rank", _GDN_VH)
-    w.add_uint32(f"{a}.ssm.inner_size", _GDN_S * _GDN_VH)
-    w.add_uint32(f"{a}.full_attention_interval", FULL_ATTENTION_INTERVAL)
-    w.add_uint32(f"{a}.expert_shared_feed_forward_length", b.F)
+    x = b.x
+    w.add_uint32(f"{a}.ssm.conv_kernel", x["gdn_kc"])
+    w.add_uint32(f"{a}.ssm.state_size", x["gdn_s"])
+    w.add_uint32(f"{a}.ssm.group_count", x["gdn_kh"])
+    w.add_uint32(f"{a}.ssm.time_step_rank", x["gdn_vh"])
+    w.add_uint32(f"{a}.ssm.inner_size", x["gdn_s"] * x["gdn_vh"])
+    w.add_uint32(f"{a}.full_attention_interval", x["full_attn"])
+    w.add_uint32(f"{a}.expert_shared_feed_forward_length", b.F_shexp)
 
 
 def _qwen35_keys(w: GGUFWriter, b: _Builder) -> None:
     _gdn_keys(w, b, "qwen35moe")
-    w.add_array("qwen35moe.rope.dimension_sections", _sections(b.hd // 2))
+    w.add_array("qwen35moe.rope.dimension_sections", _sections(_partial_rope(b)["rope_dims"]))
 
 
 def _qwen3next_keys(w: GGUFWriter, b: _Builder) -> None:
@@ -335,7 +352,7 @@ def _qwen3next_keys(w: GGUFWriter, b: _Builder) -> None:
 
 
 def _partial_rope(b: _Builder) -> dict[str, Any]:
-    return {"rope_dims": b.hd // 2}
+    return {"rope_dims": b.x["rope"] or b.hd // 2}
 
 
 SHORTCONV_L_CACHE = 3
@@ -383,18 +400,18 @@ def _lfm2_overrides(b: _Builder) -> dict[str, Any]:
 FAMILIES: dict[str, Family] = {
     f.arch: f
     for f in (
-        Family("gpt-oss", _gpt_oss_layer, _gpt_oss_keys, min_layers=2),
-        Family("glm4moe", _glm4moe_layer, _glm4moe_keys, min_layers=2, mtp=True),
-        Family("bailingmoe2", _bailing_layer, _bailing_keys, min_layers=2, mtp=True),
+        Family("gpt-oss", _gpt_oss_layer, _gpt_oss_keys, min_layers=2, extra=(("sliding_window", 128),)),
+        Family("glm4moe", _glm4moe_layer, _glm4moe_keys, min_layers=2, mtp=True, extra=(("n_shared", 1),)),
+        Family("bailingmoe2", _bailing_layer, _bailing_keys, min_layers=2, mtp=True, extra=(("groups", (2, 1)),)),
         Family("deepseek2", _deepseek2_layer, _deepseek2_keys, min_layers=2, default_layers=3,
-               overrides=_deepseek2_overrides, fuses_gate_up=True, mtp=True),
+               overrides=_deepseek2_overrides, fuses_gate_up=True, mtp=True, extra=_DS_MLA),
         Family("minimax-m2", _minimax_layer, _minimax_keys),
         Family("qwen3vlmoe", _qwen3vl_layer, _qwen3vl_keys),
         Family("llama4", _llama4_layer, _llama4_keys, min_layers=4, default_layers=4),
         Family("qwen35moe", _qwen35_layer, _qwen35_keys, min_layers=2, overrides=_partial_rope,
-               fuses_gate_up=True, mtp=True),
+               fuses_gate_up=True, mtp=True, extra=_GDN),
         Family("qwen3next", _qwen3next_layer, _qwen3next_keys, min_layers=2, overrides=_partial_rope,
-               fuses_gate_up=True, mtp=True),
+               fuses_gate_up=True, mtp=True, extra=_GDN),
         Family("lfm2moe", _lfm2_layer, _lfm2_keys, min_layers=3, default_layers=3,
                overrides=_lfm2_overrides, output_norm="token_embd_norm.weight"),
     )

@@ -215,6 +215,9 @@ class _Builder:
         self.F_dense = dims.n_ff_dense
         self.n_head, self.n_head_kv = dims.n_head, dims.n_head_kv
         self.dense_lead = 1  # families with leading dense blocks get one
+        self.F_shexp = spec.n_ff
+        family = FAMILIES.get(spec.arch)
+        self.x: dict[str, object] = dict(family.extra) if family else {}  # the family's own widths
         self.router_std = ROUTER_LOGIT_STD * spec.n_embd ** -0.5  # the router sees a unit-RMS vector
         self.wq = _WTYPES[spec.wtype][0]
         self.out: list[_Tensor] = []
