@@ -60,6 +60,12 @@ class Recipe:
     rope_sections: bool = False
     # Tensor name suffixes llama.cpp's kernels assert to be F32 (gpt-oss sinks and biases).
     f32_suffixes: tuple[str, ...] = ()
+    # How a hybrid marks its recurrent blocks: "interval" (every full_attention_interval-th block
+    # attends, default 4, or a per-block attention.recurrent_layers array) or "kv_heads" (a block
+    # with 0 KV heads is recurrent). With no attending block at all llama.cpp creates no KV buffer
+    # and asserts at the first decode (GGML_ASSERT(buffer), measured on a 2-block qwen35moe; an
+    # all-conv lfm2moe fails its load instead): refused in Python either way.
+    recurrent_marker: str = ""
 
     @property
     def expert_suffixes(self) -> tuple[str, ...]:
@@ -101,8 +107,9 @@ RECIPES: dict[str, Recipe] = {
             f32_suffixes=("attn_sinks.weight", "_exps.bias", "ffn_gate_inp.bias"),
         ),
         Recipe("qwen35moe", (SPLIT, FUSED), _keys(EXPERT_WIDTH, "rope.dimension_sections", *_SSM_KEYS),
-               user_open_fuses=True, recurrent=True, rope_sections=True),
-        Recipe("qwen3next", (SPLIT, FUSED), _keys(EXPERT_WIDTH, *_SSM_KEYS), user_open_fuses=True, recurrent=True),
+               user_open_fuses=True, recurrent=True, rope_sections=True, recurrent_marker="interval"),
+        Recipe("qwen3next", (SPLIT, FUSED), _keys(EXPERT_WIDTH, *_SSM_KEYS), user_open_fuses=True, recurrent=True,
+               recurrent_marker="interval"),
         Recipe("qwen3vlmoe", required_keys=_keys("rope.dimension_sections"), rope_sections=True),
         Recipe("deepseek2", (SPLIT, FUSED), _keys(EXPERT_WIDTH, "expert_shared_count", "attention.kv_lora_rank"),
                user_open_fuses=True),
@@ -113,7 +120,7 @@ RECIPES: dict[str, Recipe] = {
         Recipe("llama4", required_keys=_keys(EXPERT_WIDTH, "interleave_moe_layer_step")),
         Recipe("bailingmoe2", required_keys=_keys(EXPERT_WIDTH, "expert_shared_count", "expert_gating_func")),
         Recipe("lfm2moe", required_keys=_keys(EXPERT_WIDTH, "expert_gating_func", "shortconv.l_cache"),
-               recurrent=True),
+               recurrent=True, recurrent_marker="kv_heads"),
     )
 }
 

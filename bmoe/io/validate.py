@@ -143,10 +143,35 @@ def _check_aborting_metadata(first: ShardIndex, recipe: Recipe) -> None:
     scaling = first.metadata.get(key("rope.scaling.type"))
     if scaling is not None and scaling not in _ROPE_SCALING:
         raise ModelFileError(f"{path}: {key('rope.scaling.type')} is {scaling!r}, not one of {', '.join(_ROPE_SCALING)}")
+    if n_layer is not None and recipe.recurrent_marker:
+        _check_some_block_attends(first, recipe, n_layer - (nextn or 0))
     sections = first.arrays.get(key("rope.dimension_sections"))
     if recipe.rope_sections and key("rope.dimension_sections") in first.keys:
         if sections is None or not any(sections[:3]):
             raise ModelFileError(f"{path}: {key('rope.dimension_sections')} is {sections!r}: all-zero sections abort the first decode")
+
+
+def _check_some_block_attends(first: ShardIndex, recipe: Recipe, n_main: int) -> None:
+    """A hybrid whose main blocks are all recurrent has no KV cache buffer: llama.cpp asserts."""
+    key = recipe.key
+    if recipe.recurrent_marker == "interval":
+        marks = first.arrays.get(key("attention.recurrent_layers"))
+        if marks is not None:
+            attends = not all(marks[:n_main])
+        else:
+            interval = _int_key(first, key("full_attention_interval"))
+            interval = 4 if interval is None else interval  # the loaders' default
+            attends = 0 < interval <= n_main
+        what = f"{key('full_attention_interval')} / attention.recurrent_layers"
+    else:
+        heads = first.arrays.get(key("attention.head_count_kv"))
+        scalar = first.metadata.get(key("attention.head_count_kv"))
+        attends = any(heads[:n_main]) if heads is not None else bool(scalar)
+        what = key("attention.head_count_kv")
+    if not attends:
+        raise ModelFileError(
+            f"{first.path}: none of the {n_main} blocks attends ({what}); llama.cpp cannot run a hybrid without one"
+        )
 
 
 def _check_expert_counts(path: Path, layout: ModelLayout, recipe: Recipe) -> None:

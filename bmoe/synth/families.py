@@ -211,8 +211,9 @@ def _groups(w: GGUFWriter, a: str, b: _Builder) -> None:
 def _deepseek2_keys(w: GGUFWriter, b: _Builder) -> None:
     a, x = "deepseek2", b.x
     w.add_uint32(f"{a}.feed_forward_length", b.F_dense)
-    if x["q_rank"]:
-        w.add_uint32(f"{a}.attention.q_lora_rank", x["q_rank"])
+    # 0 for the Lite models (no query compression); written even then, since llama.cpp requires
+    # it of every block count but 26 and 27 (a cut-down synth file has fewer layers).
+    w.add_uint32(f"{a}.attention.q_lora_rank", x["q_rank"])
     w.add_uint32(f"{a}.attention.kv_lora_rank", x["kv_rank"])
     w.add_uint32(f"{a}.attention.key_length_mla", x["nope"] + x["rope"])
     w.add_uint32(f"{a}.attention.value_length_mla", x["v"])
@@ -344,7 +345,8 @@ def _gdn_keys(w: GGUFWriter, b: _Builder, a: str) -> None:
 
 def _qwen35_keys(w: GGUFWriter, b: _Builder) -> None:
     _gdn_keys(w, b, "qwen35moe")
-    w.add_array("qwen35moe.rope.dimension_sections", _sections(_partial_rope(b)["rope_dims"]))
+    sections = b.x.get("sections") or _sections(_partial_rope(b)["rope_dims"])
+    w.add_array("qwen35moe.rope.dimension_sections", list(sections))
 
 
 def _qwen3next_keys(w: GGUFWriter, b: _Builder) -> None:
