@@ -826,6 +826,11 @@ def total_bytes(spec: SynthSpec) -> int:
     return sum(t.nbytes for t in planned(spec)[2])
 
 
+def _expert_type(tensors: list[PlannedTensor]) -> str:
+    """The routed experts' type as written (gpt-oss's are MXFP4 whatever --type says)."""
+    return next((t.qtype.name.lower() for t in tensors if t.name.endswith("_exps.weight")), "no")
+
+
 def describe(spec: SynthSpec) -> str:
     """One line: what the file is (for the CLI)."""
     shape, _, tensors = planned(spec)
@@ -835,7 +840,7 @@ def describe(spec: SynthSpec) -> str:
     if spec.skew:
         how = f"fitted per layer from {ROUTING_PROFILES[shape.name].source}"
     return (f"{shape.name} ({shape.source}): {shape.arch}, {n_layer} of {shape.n_layer} layers, "
-            f"{shape.n_expert} experts top-{spec.top_k(shape)}, {spec.wtype} experts, "
+            f"{shape.n_expert} experts top-{spec.top_k(shape)}, {_expert_type(tensors)} experts, "
             f"{total / 2**30:.2f} GiB of tensors; routing skew: {how}")
 
 
