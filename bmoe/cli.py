@@ -468,7 +468,23 @@ _LAZY = {
               "measure resident, mmap and streamed runs of one model side by side"),
     "synth": ("bmoe.synth.big", "add_synth_command",
               "write a random MoE GGUF with a real model's shapes (fast, any size)"),
+    "inspect": ("bmoe.inspect", "add_inspect_command",
+                "what a model is and how it would run here, from its index alone"),
 }
+
+
+class _ListArchs(argparse.Action):
+    """``--list-archs``: print the supported architectures and exit, whatever else is given."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kw: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the supported architectures and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        from bmoe.inspect import list_archs
+
+        print(list_archs())
+        parser.exit()
 
 
 def _lazy_parsers(sub: argparse._SubParsersAction, argv: list[str]) -> None:
@@ -482,6 +498,7 @@ def _lazy_parsers(sub: argparse._SubParsersAction, argv: list[str]) -> None:
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bmoe", description=__doc__.splitlines()[0])
+    parser.add_argument("--list-archs", action=_ListArchs)
     sub = parser.add_subparsers(dest="command", required=True)
     _run_parser(sub)
     _chat_parser(sub)

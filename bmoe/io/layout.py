@@ -119,7 +119,7 @@ class ModelLayout:
     @property
     def skipped_bytes(self) -> int:
         """Bytes of the MTP blocks' tensors: in the file, never loaded, never read."""
-        return sum(s.nbytes for s in self.tensors.values() if _block(s.name) >= self.main_layers)
+        return sum(s.nbytes for s in self.tensors.values() if block_of(s.name) >= self.main_layers)
 
     @property
     def expert_bytes(self) -> int:
@@ -224,7 +224,7 @@ def build_layout(indexes: Sequence[ShardIndex]) -> ModelLayout:
     )
 
 
-def _block(name: str) -> int:
+def block_of(name: str) -> int:
     """The block index of a ``blk.<il>.`` tensor name; -1 for the others."""
     m = _BLOCK_NAME.match(name)
     return int(m[1]) if m else -1

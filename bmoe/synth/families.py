@@ -13,12 +13,37 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from gguf import GGMLQuantizationType, GGUFWriter
 
-if TYPE_CHECKING:
-    from bmoe.synth.tiny import _Builder
+
+class _Builder(Protocol):
+    """What a layer plan writes with: widths and one method per kind of tensor. The tiny writer's
+    builder quantizes random floats; ``synth --like``'s writes random blocks at real widths."""
+
+    spec: Any  # n_layer (main blocks), n_expert, fused
+    E: int
+    F: int
+    hd: int
+    F_dense: int
+    F_shexp: int
+    n_head: int
+    n_head_kv: int
+    dense_lead: int
+    router_std: float
+    x: dict[str, Any]
+
+    def mat(self, name: str, shape: tuple[int, ...], std: float, zero_rows: tuple[int, ...] = (),
+            qtype: GGMLQuantizationType | None = None) -> None: ...
+
+    def f32(self, name: str, shape: tuple[int, ...], std: float) -> None: ...
+
+    def ones(self, name: str, n: int) -> None: ...
+
+    def const(self, name: str, n: int, value: float) -> None: ...
+
+    def experts(self, p: str, qtype: GGMLQuantizationType | None = None) -> None: ...
 
 MXFP4 = GGMLQuantizationType.MXFP4
 SMALL_STD = 0.1  # biases, selection biases, sinks: present and varied, never dominant
