@@ -75,10 +75,6 @@ class Recipe:
             out.extend(s for s in layout if s not in out)
         return tuple(sorted(out, key=_GRAPH_ORDER.index))
 
-    @property
-    def fused_gate_up(self) -> bool:
-        return "ffn_gate_up_exps" in self.expert_suffixes
-
     def key(self, name: str) -> str:
         return f"{self.arch}.{name}"
 
