@@ -12,6 +12,7 @@ per-expert biases (gpt-oss), shared experts and selection biases, MTP blocks (gl
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -133,3 +134,15 @@ def test_fused_and_split_gate_up_give_the_same_tokens(tiny) -> None:
         open_model(open_layout(split), streaming=True, mode="user")
     got = generate_tokens(fused, stream(open_mode="user"))
     assert got == tiny.resident_tokens(fused) == tiny.resident_tokens(split)
+
+
+@pytest.mark.parametrize("arch", ["glm4moe", "gpt-oss"])
+def test_split_sets_stream_like_the_single_file(tiny, arch: str) -> None:
+    """Three shards (glm4moe's MTP experts in the last one; gpt-oss's MXFP4 experts): same tokens."""
+    single = tiny.path(SPECS[arch])
+    shards = tiny.path(dataclasses.replace(SPECS[arch], shards=3))
+    assert len(open_layout(shards).shards) == 3
+    resident = tiny.resident_tokens(single)
+    assert tiny.resident_tokens(shards) == resident
+    for odirect in (True, False):
+        assert generate_tokens(shards, stream(odirect=odirect, io_threads=4)) == resident
