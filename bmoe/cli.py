@@ -404,6 +404,7 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
     spec = TinySpec(arch=args.arch, wtype=args.wtype, n_layer=args.layers, n_embd=args.embd,
                     n_expert=args.experts, n_expert_used=args.used, n_ff=args.ff, seed=args.seed,
                     shards=args.shards, n_nextn=args.mtp)
+    spec.validate()  # a bad spec is one line, before any progress bar
     paths = _write_with_progress(args.out, spec)
     print(paths[0])
     return 0
