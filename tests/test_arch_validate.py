@@ -59,6 +59,7 @@ def rename_arch(old: str, new: str, then: Callable[[GGUFWriter], None] | None = 
 FAULTS = [
     ("gating-absent", TinySpec(arch="minimax-m2"), drop("minimax-m2.expert_gating_func"), "expert_gating_func"),
     ("gating-invalid", TinySpec(arch="glm4moe"), set_u32("glm4moe.expert_gating_func", 7), "expert_gating_func is 7"),
+    ("gating-none", TinySpec(arch="bailingmoe2"), set_u32("bailingmoe2.expert_gating_func", 0), "expert_gating_func is 0"),
     ("groups-do-not-divide", TinySpec(arch="bailingmoe2"), set_u32("bailingmoe2.expert_group_count", 3),
      "does not divide"),
     ("group-used-too-many", TinySpec(arch="bailingmoe2"), set_u32("bailingmoe2.expert_group_used_count", 2),
@@ -117,3 +118,14 @@ def test_non_f32_sinks_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert done.returncode == 1, done.stderr
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]
     assert "attn_sinks.weight is F16; llama.cpp needs F32" in done.stderr
+
+
+def test_without_validation_the_same_fault_kills_the_process(tmp_path: Path) -> None:
+    """The control: handed straight to llama.cpp, a file these checks refuse aborts the process."""
+    (path,) = write_tiny(tmp_path / "bad.gguf", TinySpec(arch="bailingmoe2"),
+                         edit_metadata=set_u32("bailingmoe2.expert_gating_func", 0))
+    code = ("import llama_cpp, sys; llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, verbose=False); "
+            "llm('hello', max_tokens=2)")
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode < 0, f"status {done.returncode}: llama.cpp no longer aborts here?"
+    assert cli("run", "-m", str(path), "-p", "hello", "-n", "2").returncode == 1

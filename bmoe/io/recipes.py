@@ -53,8 +53,8 @@ class Recipe:
     # Some layers keep a recurrent state (gated delta net, short conv): an aborted decode can
     # roll it back only within llama.cpp's snapshot budget.
     recurrent: bool = False
-    # ``expert_gating_func`` is optional in the loader, but absent it aborts the process at
-    # context creation (llama-graph.cpp build_moe_ffn: GGML_ABORT on gating NONE).
+    # The graph takes ``expert_gating_func`` as written: absent (where the loader makes it
+    # optional) or 0 (NONE), llama.cpp aborts at context creation (build_moe_ffn's GGML_ABORT).
     gating_required: bool = False
     # ``rope.dimension_sections`` (IMROPE/MROPE archs): all-zero sections abort at first decode.
     rope_sections: bool = False
@@ -114,9 +114,10 @@ RECIPES: dict[str, Recipe] = {
         Recipe("minimax-m2", required_keys=_keys(FFN_WIDTH, EXPERT_WIDTH), width_key=FFN_WIDTH,
                gating_required=True),
         Recipe("llama4", required_keys=_keys(EXPERT_WIDTH, "interleave_moe_layer_step")),
-        Recipe("bailingmoe2", required_keys=_keys(EXPERT_WIDTH, "expert_shared_count", "expert_gating_func")),
+        Recipe("bailingmoe2", required_keys=_keys(EXPERT_WIDTH, "expert_shared_count", "expert_gating_func"),
+               gating_required=True),
         Recipe("lfm2moe", required_keys=_keys(EXPERT_WIDTH, "expert_gating_func", "shortconv.l_cache"),
-               recurrent=True, recurrent_marker="kv_heads"),
+               recurrent=True, recurrent_marker="kv_heads", gating_required=True),
     )
 }
 
