@@ -123,6 +123,14 @@ class LlamaModel:
     def clear_memory(self) -> None:
         self._lib.llama_memory_clear(self._lib.llama_get_memory(self.ctx), True)
 
+    def keep_prefix(self, n: int) -> bool:
+        """Drop every cached position from ``n`` on, keeping the first ``n`` for the next prompt to
+        build on. False when the memory cannot keep a partial sequence (then clear it instead):
+        sliding-window caches drop old positions, so only full-attention models reuse a prefix."""
+        if n <= 0 or self._lib.llama_model_n_swa(self.model) > 0 or self._lib.llama_model_is_recurrent(self.model):
+            return False
+        return bool(self._lib.llama_memory_seq_rm(self._lib.llama_get_memory(self.ctx), 0, n, -1))
+
     def decode(self, tokens: list[int]) -> None:
         """Run one batch (blocking: call it on the compute thread). Logits only for the last token."""
         arr = (ctypes.c_int32 * len(tokens))(*tokens)
