@@ -13,10 +13,10 @@ import asyncio
 import codecs
 import re
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -206,8 +206,29 @@ class Session:
         return self._live().tokenize(text, parse_special=special)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
-        model = self._live()
-        return b"".join(model.piece(t) for t in tokens).decode("utf-8", errors="replace")
+        return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a token stands for (a piece of a UTF-8 character, for byte tokens)."""
+        return self._live().piece(token)
+
+    @property
+    def model_name(self) -> str:
+        """The model's name as an API reports it: its file name."""
+        return self.layout.shards[0].name if self.layout.shards else "bmoe"
+
+    async def create_completion(self, prompt: str | Sequence[int], **kwargs: Any) -> Any:
+        """llama-cpp-python's ``create_completion``, async: a ``text_completion`` dict, or with
+        ``stream=True`` an async iterator of chunk dicts (``bmoe.engine.completions``)."""
+        from bmoe.engine.completions import completion
+
+        return await completion(self, prompt, **kwargs)
+
+    async def create_chat_completion(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> Any:
+        """llama-cpp-python's ``create_chat_completion``, async, with the model's own template."""
+        from bmoe.engine.completions import chat_completion
+
+        return await chat_completion(self, messages, **kwargs)
 
     @property
     def n_ctx(self) -> int:
