@@ -1,4 +1,5 @@
-"""The ``bmoe`` command line: run, demo and make-tiny.
+"""The ``bmoe`` command line, the application layer: run, chat, replay, demo, bench, synth and
+make-tiny (bench and synth, heavy to import, are registered only when named).
 
 Every bmoe error ends as one line on stderr and exit status 1; no traceback reaches a user for a
 bad file or flag. Text goes to stdout as it is generated; summaries go to stderr (or, with

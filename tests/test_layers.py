@@ -11,7 +11,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import bmoe
+
+pytestmark = pytest.mark.pure  # no model, no llama.cpp: `pytest -m pure` runs these in seconds
 
 # Lowest first. Packages in one tuple are peers that must not import each other
 # (io and pipeline are both pure leaves; bench and server are separate applications).

@@ -211,12 +211,6 @@ class Run:
     load_before: float | None = None  # 1-minute load average when the child started
 
 
-def has_overlap() -> bool:
-    from bmoe.engine.config import RunConfig
-
-    return any(f.name == "overlap" for f in dataclasses.fields(RunConfig))
-
-
 # Interpreter, llama.cpp's KV and compute buffers, read lanes: measured about 130 MiB on small
 # models; twice that for margin.
 _PROCESS_OVERHEAD = 256 * MiB
@@ -244,8 +238,6 @@ def plan_runs(layout: Any, opts: BenchOptions, available: int) -> list[Run]:
     ]
     overlap = Run("overlap", "stream, cache off, overlap", "bmoe",
                   {"mode": "stream", "cache_bytes": 0, "overlap": True, **common})
-    if not has_overlap():
-        overlap.skip = "unavailable: this RunConfig has no `overlap` field"
     runs.append(overlap)
 
     def cached(run_id: str, label: str, budget: int, note: str | None, warmup: str = "short") -> Run:
