@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -23,9 +24,10 @@ DEMO_PROMPT = "The quick brown fox jumps over the lazy dog. Streaming experts fr
 
 
 def _run_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("run", help="generate text from a MoE GGUF (greedy)")
+    p = sub.add_parser("run", help="generate text from a MoE GGUF (greedy unless --temp)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("-m", "--model", type=Path, required=True, help="GGUF file (shard 1 of a split set)")
-    p.add_argument("-p", "--prompt", required=True)
+    _prompt_flags(p)
     p.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--stream", dest="mode", action="store_const", const="stream",
@@ -38,7 +40,71 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--progress", action="store_true", help="one JSON line of metrics per token on stderr")
     p.add_argument("--csv", type=Path, default=None, help="per-token metrics CSV with a config header")
+    _sampling_flags(p)
     p.set_defaults(mode="stream", func=_cmd_run)
+
+
+def _prompt_flags(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("-p", "--prompt", help="the prompt ('-' reads it from standard input)")
+    src.add_argument("-f", "--file", type=Path, default=None, help="read the prompt from this file")
+
+
+def _prompt(args: argparse.Namespace) -> str:
+    """The prompt of -p TEXT, -p - (standard input) or -f FILE; undecodable bytes kept as U+FFFD."""
+    if args.file is not None:
+        try:
+            return args.file.read_bytes().decode("utf-8", errors="replace")
+        except OSError as exc:
+            raise ConfigError(f"-f {args.file}: {exc.strerror}") from None
+    if args.prompt == "-":
+        return sys.stdin.buffer.read().decode("utf-8", errors="replace")
+    return args.prompt
+
+
+def _sampling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (greedy unless --temp > 0; run through llama.cpp's samplers)")
+    g.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus: keep tokens up to this mass (1 = off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this share of the top one (0 = off)")
+    g.add_argument("--repeat-penalty", type=float, default=1.0, help="penalise recent tokens (1 = off)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="(0 = off)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="(0 = off)")
+    g.add_argument("--seed", type=int, default=None, help="seed of the draw (default: a fresh one each run)")
+    g.add_argument("--grammar-file", type=Path, default=None, help="constrain the output with a GBNF grammar")
+    g.add_argument("--json-schema", default=None,
+                   help="constrain the output to JSON matching this schema (JSON text, or a file holding it)")
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop before this text (repeatable); it is never printed")
+
+
+def _sampling(args: argparse.Namespace):  # noqa: ANN202 - a bmoe.engine.sampling.SamplingParams
+    from bmoe.engine.sampling import SamplingParams
+
+    grammar = schema = None
+    if args.grammar_file is not None:
+        try:
+            grammar = args.grammar_file.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"--grammar-file {args.grammar_file}: {getattr(exc, 'strerror', None) or exc}") from None
+    if args.json_schema is not None:
+        text = args.json_schema
+        if not text.lstrip().startswith("{"):
+            try:
+                text = Path(text).read_text()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError(f"--json-schema {args.json_schema}: neither JSON nor a readable file "
+                                  f"({getattr(exc, 'strerror', None) or exc})") from None
+        try:
+            schema = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"--json-schema: not valid JSON ({exc})") from None
+    return SamplingParams(
+        temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=args.seed, grammar=grammar, json_schema=schema,
+    )
 
 
 def _cache_mb(text: str) -> float | None:
@@ -84,6 +150,41 @@ def _chat_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-odirect", action="store_true")
     _common_flags(p)
     p.set_defaults(mode="stream", func=_cmd_chat)
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and text completions)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("-m", "--model", type=Path, required=True, help="GGUF file (shard 1 of a split set)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
+    p.add_argument("--port", type=int, default=8080, help="port (0: any free one, printed at start)")
+    p.add_argument("--api-key", default=os.environ.get("BMOE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health (or $BMOE_API_KEY)")
+    p.add_argument("--queue", type=int, default=8,
+                   help="requests that may wait for their turn; more get 503 with Retry-After")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--stream", dest="mode", action="store_const", const="stream",
+                      help="read routed experts from disk on demand (default)")
+    mode.add_argument("--resident", dest="mode", action="store_const", const="resident",
+                      help="plain llama.cpp: the whole file mapped, nothing streamed")
+    p.add_argument("--io-threads", type=int, default=2, help="I/O lanes for expert reads")
+    p.add_argument("--no-odirect", action="store_true", help="buffered reads instead of O_DIRECT")
+    _common_flags(p)
+    p.set_defaults(mode="stream", func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    _check_outputs(args, _model_files(args.model), "--route-trace")
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be 0..65535, got {args.port}")
+    if not 0 <= args.queue <= 10_000:
+        raise ConfigError(f"--queue must be 0..10000, got {args.queue}")
+    config = _config(args)
+    from bmoe.server.run import serve
+
+    serve(args.model, config, host=args.host, port=args.port, api_key=args.api_key or None,
+          max_waiting=args.queue)
+    return 0
 
 
 def _replay_parser(sub: argparse._SubParsersAction) -> None:
@@ -156,7 +257,8 @@ def _config(args: argparse.Namespace) -> RunConfig:
 
 
 async def _generate(model: Path, config: RunConfig, prompt: str, n: int, *, echo: bool,
-                    progress: bool = False, csv_path: Path | None = None) -> dict:
+                    progress: bool = False, csv_path: Path | None = None, sampling=None,  # noqa: ANN001
+                    stop: list[str] | None = None) -> dict:
     from bmoe.engine.session import Session
     from bmoe.metrics.sinks import CsvSink, ProgressSink
 
@@ -175,7 +277,10 @@ async def _generate(model: Path, config: RunConfig, prompt: str, n: int, *, echo
             for sink in sinks:
                 tg.create_task(sink.run())
             try:
-                async for piece in session.stream(prompt, n):
+                finish = usage = None
+                async for piece in session.stream(prompt, n, sampling=sampling, stop=stop):
+                    if piece.finish_reason is not None:
+                        finish, usage = piece.finish_reason, piece.usage
                     if piece.token is not None:
                         tokens.append(piece.token)
                     parts.append(piece.text)
@@ -193,6 +298,8 @@ async def _generate(model: Path, config: RunConfig, prompt: str, n: int, *, echo
                     "text": "".join(parts),
                     "tokens": tokens,
                     "n_tokens": len(tokens),
+                    "finish_reason": finish,
+                    "prompt_tokens_evaluated": usage.prompt_evaluated if usage is not None else None,
                     "io_fallback_reason": session.io_fallback_reason,
                     "budget_how": session.budget_how,
                     "open_reason": session.open_reason,
@@ -249,8 +356,9 @@ def _check_outputs(args: argparse.Namespace, inputs: tuple[Path, ...], *flags: s
 def _cmd_run(args: argparse.Namespace) -> int:
     _check_outputs(args, _model_files(args.model), "--csv", "--route-trace")
     config = _config(args)
-    result = run_async(_generate(args.model, config, args.prompt, args.n_predict, echo=not args.json,
-                                  progress=args.progress, csv_path=args.csv))
+    sampling = _sampling(args)
+    result = run_async(_generate(args.model, config, _prompt(args), args.n_predict, echo=not args.json,
+                                  progress=args.progress, csv_path=args.csv, sampling=sampling, stop=args.stop))
     if args.json:
         print(json.dumps(result))
     else:
@@ -467,6 +575,9 @@ _LAZY = {
               "measure resident, mmap and streamed runs of one model side by side"),
     "synth": ("bmoe.synth.big", "add_synth_command",
               "write a random MoE GGUF with a real model's shapes (fast, any size)"),
+    # The parser is light and lives here (it shares the run flags); starlette, uvicorn and the
+    # server package are imported by _cmd_serve only.
+    "serve": ("bmoe.cli", "_serve_parser", "an OpenAI-compatible HTTP server (chat and text completions)"),
 }
 
 

@@ -145,10 +145,12 @@ async def completion(
         return {"id": ids.id, "object": "text_completion", "created": ids.created, "model": ids.model, **body}
 
     if stream:
+        first = await _prime(pieces)
+
         async def chunks() -> AsyncIterator[dict[str, Any]]:
             offset = 0
             async with aclosing(pieces):
-                async for piece in pieces:
+                async for piece in _chain(first, pieces):
                     body = {"choices": [choice(piece.text, piece, offset)]}
                     offset += len(piece.text)
                     if piece.finish_reason is not None:
@@ -205,10 +207,12 @@ async def chat_completion(
         return body
 
     if stream:
+        first = await _prime(pieces)
+
         async def chunks() -> AsyncIterator[dict[str, Any]]:
             yield chunk({"role": "assistant", "content": ""}, None)
             async with aclosing(pieces):
-                async for piece in pieces:
+                async for piece in _chain(first, pieces):
                     yield chunk({"content": piece.text} if piece.text or piece.finish_reason is None else {}, piece)
 
         return chunks()
@@ -227,3 +231,20 @@ async def chat_completion(
                      "finish_reason": last.finish_reason}],
         "usage": _usage(last),
     }
+
+
+async def _prime(pieces: AsyncIterator[Piece]) -> Piece:
+    """The first piece, taken before any chunk exists: a request the engine refuses (a prompt too
+    long for the context, a bad grammar) fails here, before a server has sent its status line."""
+    try:
+        return await anext(pieces)
+    except BaseException:
+        await pieces.aclose()  # type: ignore[attr-defined]
+        raise
+
+
+async def _chain(first: Piece, rest: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
+    yield first
+    if first.finish_reason is None:
+        async for piece in rest:
+            yield piece
