@@ -41,12 +41,22 @@ def llama_lib():  # noqa: ANN201 - the llama_cpp module, imported on first use, 
     return llama_cpp
 
 
-def _drop_below_error(level: int, text: bytes | None, _user: int | None) -> None:
-    if level >= GGML_LOG_LEVEL_ERROR and text:
+_LOG = {"all": False}
+
+
+def set_llama_log(verbose: bool) -> None:
+    """Let llama.cpp's own log through to stderr (``bmoe -v``), or keep it quiet (the default:
+    bmoe reports every failure itself as one line, and a cancelled decode's "graph_compute failed"
+    lines are expected, not news)."""
+    _LOG["all"] = verbose
+
+
+def _filtered_log(level: int, text: bytes | None, _user: int | None) -> None:
+    if _LOG["all"] and text:
         os.write(2, text)
 
 
-_quiet_log = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(_drop_below_error)
+_quiet_log = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(_filtered_log)
 # The default load progress callback prints dots to stderr; bmoe reports progress its own way.
 _no_progress = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_float, ctypes.c_void_p)(lambda _p, _u: True)
 
