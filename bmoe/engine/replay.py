@@ -112,7 +112,8 @@ def _modelled_decode(
         for ev in call:
             if gate.aborting:
                 raise gate.error or DecodeAbortedError("replay aborted")
-            gate.route(ev.layer, np.asarray(ev.experts, dtype=np.int32)[None, :])
+            ranks = None if ev.ranks is None else np.asarray(ev.ranks)[np.argsort(ev.experts, kind="stable")]
+            gate.route(ev.layer, np.asarray(ev.experts, dtype=np.int32)[None, :], ranks)
             part = compute(ev) / (n_proj + 1)
             if overlap == "tensor":
                 for p in range(n_proj):
@@ -233,7 +234,7 @@ def model_replay(
         phase = 1 if call[0].phase == PHASE_DECODE else 0
         t = 0.0
         for ev in call:
-            plan = cache.plan(ev.layer, ev.experts)
+            plan = cache.plan(ev.layer, ev.experts, ev.ranks)
             hits[phase] += len(plan.hits)
             misses[phase] += len(plan.misses)
             size = sizes[ev.layer]
