@@ -226,6 +226,10 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", type=lambda s: s.split(","), default=["default"], help="e.g. lru,default,opt")
     p.add_argument("--io", choices=("real", "sim"), default=None,
                    help="real reads from -m, or reads modelled from a probe of this disk (default: real with -m)")
+    p.add_argument("--timing", choices=("model", "measure"), default=None,
+                   help="model: compute hits, bytes and time without sleeping (seconds per sweep; the "
+                        "default for --io sim); measure: run the stages in modelled real time (--io real"
+                        " always measures)")
     p.add_argument("--io-threads", type=int, default=2)
     p.add_argument("--overlap", type=lambda s: s.split(","), default=["none"],
                    help="none,tensor,expert: modelled overlap of reads with the expert matmuls")
@@ -545,7 +549,8 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from bmoe.engine.replay import OVERLAP_MODES, ComputeModel, replay
+    from bmoe.engine.replay import OVERLAP_MODES, ComputeModel, model_replay, replay
+    from bmoe.io.probe import cached_probe
     from bmoe.io.validate import open_layout
     from bmoe.pipeline.trace import read_trace
 
@@ -555,6 +560,9 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         raise ConfigError("--io real reads the model's bytes: give it with -m MODEL (or use --io sim)")
     if not 1 <= args.io_threads <= 64:
         raise ConfigError(f"--io-threads must be 1..64, got {args.io_threads}")
+    timing = args.timing or ("model" if io == "sim" else "measure")
+    if timing == "model" and io == "real":
+        raise ConfigError("--timing model computes the reads' time: use it with --io sim (--io real measures)")
     trace = read_trace(args.trace)
     layout = open_layout(args.model) if io == "real" else None
     compute = ComputeModel(trace.timing, args.compute_ms_per_layer / 1e3)
@@ -562,18 +570,28 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     if bad:
         raise ConfigError(f"--overlap takes {', '.join(OVERLAP_MODES)}; got {', '.join(bad)}")
     results = []
+    probe = None
+    if timing == "model":
+        probe = cached_probe(args.trace.resolve().parent, max(trace.expert_bytes.values(), default=0) or 4096,
+                             args.io_threads)
     for overlap in args.overlap:
         for policy in args.policy:
             for mb in args.cache_mb:
-                r = run_async(replay(trace, budget_bytes=int(mb * MiB), policy=policy, compute=compute,
-                                      io_threads=args.io_threads, model=layout, overlap=overlap,
-                                      sim_dir=args.trace.resolve().parent))
+                if probe is not None:
+                    r = model_replay(trace, budget_bytes=int(mb * MiB), policy=policy, compute=compute,
+                                     probe=probe, io_threads=args.io_threads, overlap=overlap)
+                else:
+                    r = run_async(replay(trace, budget_bytes=int(mb * MiB), policy=policy, compute=compute,
+                                          io_threads=args.io_threads, model=layout, overlap=overlap,
+                                          sim_dir=args.trace.resolve().parent))
                 results.append(r.as_dict())
                 if not args.json:
                     print(_replay_row(r.as_dict()), flush=True)
+    clock = ("the modelled decode time (no sleeps)" if timing == "model"
+             else "the replay's decode wall time")
     how = (f"compute: {compute.describe()}; reads: {results[0]['io'] if results else io}; hit % = hits / "
-           "(hits + experts read) per layer event, decode phase and all phases; tok/s = decode tokens "
-           "over the replay's decode wall time")
+           f"(hits + experts read) per layer event, decode phase and all phases; tok/s = decode tokens "
+           f"over {clock}")
     if args.csv is not None:
         _write_rows(args.csv, results)
     if args.plot is not None:
