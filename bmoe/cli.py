@@ -137,6 +137,10 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-mb", type=_cache_mb, default=0.0,
                    help="expert cache budget in MiB, or 'auto' (0 = off: every routed expert read)")
     p.add_argument("--cache-ceil-mb", type=float, default=None, help="upper bound for the budget")
+    p.add_argument("--force", action="store_true",
+                   help="run a --cache-mb that the memory model says cannot fit (warned, not refused)")
+    p.add_argument("--no-pressure-guard", action="store_true",
+                   help="keep the budget fixed while running (default: shrink it under memory pressure)")
     p.add_argument("--dense-weights", choices=("mmap", "anon"), default="mmap",
                    help="anon: copy dense weights into anonymous memory (safe from page-cache churn)")
     p.add_argument("--open-mode", choices=("auto", "user", "mmap", "mmap-drop"), default="auto",
@@ -284,6 +288,8 @@ def _config(args: argparse.Namespace) -> RunConfig:
         n_ctx=args.ctx,
         cache_bytes=None if args.cache_mb is None else int(args.cache_mb * MiB),
         cache_ceiling_bytes=None if args.cache_ceil_mb is None else int(args.cache_ceil_mb * MiB),
+        force_cache=args.force,
+        pressure_guard=not args.no_pressure_guard,
         dense_weights=args.dense_weights,
         open_mode=args.open_mode,
         route_trace=args.route_trace,
@@ -298,6 +304,7 @@ async def _generate(model: Path, config: RunConfig, prompt: str, n: int, *, echo
                     stop: list[str] | None = None, quiet: bool = False) -> dict:
     from bmoe.engine.session import Session
     from bmoe.metrics.sinks import CsvSink, ProgressSink
+    from bmoe.metrics.tokens import peak_rss_bytes
 
     with Session.open(model, config) as session:
         for warning in () if quiet else session.warnings:
@@ -341,6 +348,7 @@ async def _generate(model: Path, config: RunConfig, prompt: str, n: int, *, echo
                     "budget_how": session.budget_how,
                     "open_reason": session.open_reason,
                     **stats.as_dict(),
+                    "peak_rss_bytes": peak_rss_bytes(),
                 }
                 for sink in sinks:
                     if isinstance(sink, CsvSink):
