@@ -15,7 +15,7 @@ import os
 import re
 import struct
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
 from types import MappingProxyType
@@ -138,6 +138,9 @@ class ShardIndex:
     metadata: Mapping[str, Scalar]  # scalar KVs; arrays are skipped, not decoded
     keys: frozenset[str]  # every key, arrays included
     tensors: tuple[TensorSpan, ...]
+    # Where each array sits, (element type, count, offset of the first element), for checks that
+    # read one (the vocabulary, per-layer counts) without decoding every array at parse time.
+    arrays: Mapping[str, tuple[int, int, int]] = field(default_factory=lambda: MappingProxyType({}))
 
 
 def split_shard_paths(path: Path) -> tuple[Path, ...]:
@@ -286,6 +289,7 @@ class _Walker:
     def walk(self, version: int, n_kv: int, n_tensors: int, shard: int) -> ShardIndex:
         metadata: dict[str, Scalar] = {}
         keys: set[str] = set()
+        self.arrays: dict[str, tuple[int, int, int]] = {}
         for _ in range(n_kv):
             self._kv(metadata, keys)
         alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))  # UINT32, checked in _kv
@@ -294,7 +298,8 @@ class _Walker:
         infos = [self._tensor_info() for _ in range(n_tensors)]
         data_start = -(-self.pos // alignment) * alignment
         spans = tuple(self._span(info, shard, data_start, alignment) for info in infos)
-        return ShardIndex(self.path, version, MappingProxyType(metadata), frozenset(keys), spans)
+        return ShardIndex(self.path, version, MappingProxyType(metadata), frozenset(keys), spans,
+                          MappingProxyType(self.arrays))
 
     def _take(self, n: int, what: str) -> int:
         start = self.pos
@@ -349,6 +354,7 @@ class _Walker:
         count = self._u64(what)
         if etype == GGUFValueType.ARRAY:
             raise ModelFileError(f"{self.path}: metadata key {key!r} is a nested array")
+        self.arrays[key] = (int(etype), count, self.pos)
         if etype != GGUFValueType.STRING:
             self._take(count * _SCALARS[etype].size, what)
             return

@@ -19,6 +19,7 @@ from bmoe.errors import (
     MissingShardError,
     ModelFileError,
 )
+from bmoe.io.hparams import check_hparams
 from bmoe.io.layout import (
     ModelLayout,
     ShardIndex,
@@ -45,6 +46,7 @@ def open_layout(path: str | os.PathLike[str]) -> ModelLayout:
     layout = build_layout(indexes)
     _check_expert_counts(first, layout, recipe)
     _check_expert_tensors(first, layout, recipe)
+    check_hparams(indexes[0], layout)
     return layout
 
 
