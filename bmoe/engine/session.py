@@ -22,6 +22,7 @@ import numpy as np
 
 from bmoe.engine.callback import Capture, Consumption, EvalCallback
 from bmoe.engine.config import RunConfig
+from bmoe.engine.isolate import check_first_open
 from bmoe.engine.loader import OpenedModel, capture_weights, open_model
 from bmoe.engine.sampling import GREEDY, Sampler, SamplingParams, TokenLogprob, logprobs_of
 from bmoe.engine.seam import LlamaModel
@@ -146,6 +147,7 @@ class Session:
         config = (config or RunConfig()).validate()
         io_before = read_io_bytes()
         layout = open_layout(path)
+        check_first_open(layout)  # a child loads a file not seen before: a llama.cpp abort kills it, not us
         if config.route_trace is not None:
             check_output(config.route_trace, "route_trace", layout.shards)
         streaming = config.mode == "stream"

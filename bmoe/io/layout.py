@@ -167,6 +167,9 @@ class ShardIndex:
     keys: frozenset[str]  # every key, arrays included
     tensors: tuple[TensorSpan, ...]
     arrays: Mapping[str, tuple[int | float | bool, ...]] = field(default_factory=lambda: MappingProxyType({}))  # small numeric ones
+    # Where each array sits, (element type, count, offset of the first element), for checks that
+    # read one (the vocabulary, per-layer counts) without decoding every array at parse time.
+    array_spans: Mapping[str, tuple[int, int, int]] = field(default_factory=lambda: MappingProxyType({}))
 
 
 def split_shard_paths(path: Path) -> tuple[Path, ...]:
@@ -333,6 +336,7 @@ class _Walker:
         metadata: dict[str, Scalar] = {}
         keys: set[str] = set()
         self.arrays: dict[str, tuple[int | float | bool, ...]] = {}
+        self.array_spans: dict[str, tuple[int, int, int]] = {}
         for _ in range(n_kv):
             self._kv(metadata, keys)
         alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))  # UINT32, checked in _kv
@@ -342,7 +346,8 @@ class _Walker:
         data_start = -(-self.pos // alignment) * alignment
         spans = tuple(self._span(info, shard, data_start, alignment) for info in infos)
         return ShardIndex(
-            self.path, version, MappingProxyType(metadata), frozenset(keys), spans, MappingProxyType(self.arrays)
+            self.path, version, MappingProxyType(metadata), frozenset(keys), spans,
+            MappingProxyType(self.arrays), MappingProxyType(self.array_spans),
         )
 
     def _take(self, n: int, what: str) -> int:
@@ -398,6 +403,7 @@ class _Walker:
         count = self._u64(what)
         if etype == GGUFValueType.ARRAY:
             raise ModelFileError(f"{self.path}: metadata key {key!r} is a nested array")
+        self.array_spans[key] = (int(etype), count, self.pos)
         if etype != GGUFValueType.STRING:
             scalar = _SCALARS[etype]
             start = self._take(count * scalar.size, what)

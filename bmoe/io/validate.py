@@ -21,6 +21,7 @@ from bmoe.errors import (
     MissingShardError,
     ModelFileError,
 )
+from bmoe.io.hparams import check_hparams
 from bmoe.io.layout import (
     ModelLayout,
     ShardIndex,
@@ -51,6 +52,7 @@ def open_layout(path: str | os.PathLike[str]) -> ModelLayout:
     _check_expert_counts(first, layout, recipe)
     _check_expert_tensors(first, layout, recipe)
     _check_f32_tensors(first, layout, recipe)
+    check_hparams(indexes[0], layout)
     return layout
 
 
