@@ -33,7 +33,14 @@ from bmoe.io.layout import ModelLayout, block_of
 from bmoe.io.probe import ProbeResult, cache_dir, cached_probe
 from bmoe.io.recipes import RECIPES, recipe_for
 from bmoe.io.validate import open_layout
-from bmoe.pipeline.budget import read_meminfo, resolve_budget, safety_floor
+from bmoe.pipeline.budget import (
+    INTERPRETER_GROWTH,
+    Needs,
+    margin_bytes,
+    read_meminfo,
+    resolve_budget,
+    transient_bytes,
+)
 
 MiB, GiB = 1 << 20, 1 << 30
 DEFAULT_LANES = 2  # RunConfig's io_threads default
@@ -96,6 +103,7 @@ class Report:
     ram_how: str
     verdict: str
     verdict_why: str
+    floor_bytes: int  # what the process needs beside dense + experts (the budget model's needs)
     auto_budget_bytes: int
     auto_budget_how: str
     read_mib_s: float | None
@@ -158,15 +166,21 @@ def inspect_model(path: str | os.PathLike[str], *, ram_bytes: int | None = None,
         shared = 1
     entry = layout.entry_bytes()
     bank, dense, ws = layout.expert_bytes, layout.dense_bytes, layout.expert_bytes_per_token()
-    floor = safety_floor(mem_total)
+    # The engine's memory model (bmoe.pipeline.budget) from the index alone: llama.cpp's KV and
+    # compute buffers and the code's page cache are only known once a context exists, so they
+    # count as 0 here and the margin stands for them.
+    needs = Needs(dense=dense, buffers=0, code=0,
+                  transient=transient_bytes(layout.n_expert, layout.n_expert_used, 512, max(entry.values())),
+                  interpreter=INTERPRETER_GROWTH, margin=margin_bytes(mem_total))
+    floor = needs.total - dense
     if dense + bank + layout.skipped_bytes + floor <= ram_bytes:
-        verdict, why = "resident", "dense + every expert fit beside the safety floor: no streaming needed"
+        verdict, why = "resident", "dense + every expert fit beside what else the process needs: no streaming needed"
     elif dense + ws + floor <= ram_bytes:
         verdict, why = "streamed", "the dense part and one token's experts fit, the expert bank does not"
     else:
         verdict, why = "cannot run", "the dense part + one token's working set exceed the RAM"
-    budget = resolve_budget(None, ceiling=None, mem_available=ram_bytes, mem_total=mem_total,
-                            dense_bytes=dense, expert_bank_bytes=bank, working_set_bytes=ws)
+    budget = resolve_budget(None, ceiling=None, mem_available=ram_bytes, needs=needs,
+                            expert_bank_bytes=bank, working_set_bytes=ws)
     first = layout.layer_experts(layout.moe_layers[0])[0]
     directory = Path(layout.shards[0]).resolve().parent
     rate = cached_probe(directory, first.stride, lanes) if probe else cached_read_rate(directory, first.stride, lanes)
@@ -185,7 +199,7 @@ def inspect_model(path: str | os.PathLike[str], *, ram_bytes: int | None = None,
         dense_types=_type_bytes(s for n, s in layout.tensors.items() if n not in expert_names | mtp_names),
         expert_bytes_per_layer=entry, expert_bank_bytes=bank, dense_bytes=dense,
         mtp_bytes=layout.skipped_bytes, bytes_per_token_cache_off=ws, ram_bytes=ram_bytes, ram_how=ram_how,
-        verdict=verdict, verdict_why=why, auto_budget_bytes=budget.bytes, auto_budget_how=budget.how,
+        verdict=verdict, verdict_why=why, floor_bytes=floor, auto_budget_bytes=budget.bytes, auto_budget_how=budget.how,
         read_mib_s=rate.mib_s if rate else None, read_how=read_how, compute_gbs=gbs, compute_how=compute_how,
     )
     # A token touches the dense part (of the embeddings only its own row) and its routed experts.

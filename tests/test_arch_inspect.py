@@ -60,7 +60,7 @@ def test_verdicts_follow_the_ram(tiny) -> None:
     path = tiny.path(SPECS["glm4moe"])
     r = inspect_model(path, ram_bytes=8 * GiB)
     dense, ws, bank = r.dense_bytes, r.bytes_per_token_cache_off, r.expert_bank_bytes
-    floor = GiB  # safety_floor of a small machine
+    floor = r.floor_bytes  # the budget model's needs besides dense and experts
     assert inspect_model(path, ram_bytes=dense + ws + floor + 1).verdict == "streamed"
     assert inspect_model(path, ram_bytes=dense + ws + floor - 1).verdict == "cannot run"
     assert inspect_model(path, ram_bytes=dense + bank + r.mtp_bytes + floor).verdict == "resident"

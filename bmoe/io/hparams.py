@@ -33,6 +33,7 @@ from gguf import GGUFValueType
 
 from bmoe.errors import ExpertLayoutError, ModelFileError
 from bmoe.io.layout import ModelLayout, ShardIndex
+from bmoe.io.recipes import RECIPES
 
 MAX_LAYERS = 512  # LLAMA_MAX_LAYERS, src/llama-hparams.h
 MAX_EXPERTS = 1024  # LLAMA_MAX_EXPERTS
@@ -120,7 +121,9 @@ def check_hparams(first: ShardIndex, layout: ModelLayout) -> None:
     keys.int("expert_count", 1, MAX_EXPERTS)
     _check_eps(keys)
     n_head = keys.per_layer("attention.head_count", n_layer, 1, None)
-    n_head_kv = keys.per_layer("attention.head_count_kv", n_layer, 1, None)
+    # A hybrid that marks its recurrent blocks by 0 KV heads (lfm2moe) has zeros there by design.
+    kv_lo = 0 if RECIPES.get(layout.arch) is not None and RECIPES[layout.arch].recurrent_marker == "kv_heads" else 1
+    n_head_kv = keys.per_layer("attention.head_count_kv", n_layer, kv_lo, None)
     n_head_kv = [kv if kv is not None else h for kv, h in zip(n_head_kv, n_head)]
     heads = _HeadSizes.of(keys, n_embd, n_head)
     keys.per_layer("feed_forward_length", n_layer, 1, None)
@@ -162,7 +165,8 @@ class _HeadSizes:
         if None in (k, v, rot, k_swa, v_swa, rot_swa):
             raise ModelFileError(f"{keys.path}: a head size or rope dimension key is an array")
         sizes = cls(k, v, rot, k_swa, v_swa, rot_swa)  # type: ignore[arg-type]
-        sizes.check(keys)
+        if keys.arch in _PLAIN_ATTENTION:  # MLA, gated or recurrent attention: their recipes check
+            sizes.check(keys)
         return sizes
 
     def check(self, keys: _Keys) -> None:
@@ -256,6 +260,11 @@ def _read_int_array(index: ShardIndex, key: str) -> tuple[int, ...]:
         return struct.unpack(fmt, f.read(struct.calcsize(fmt)))
 
 
+# Architectures whose attention projections are plain q/k/v/o of head_count x key_length: the
+# others (gated queries, MLA, sinks, recurrent blocks) have shapes their own recipes check.
+_PLAIN_ATTENTION = frozenset({"qwen3moe", "qwen2moe", "olmoe", "llama", "gemma4"})
+
+
 def _check_shapes(
     layout: ModelLayout, n_embd: int | None, n_vocab: int | None, n_head: Sequence[int | None],
     n_head_kv: Sequence[int | None], heads: _HeadSizes | None, n_ff_exp: Sequence[int | None],
@@ -282,7 +291,7 @@ def _check_shapes(
         want(b + "ffn_up_exps.weight", (n_embd, ff, layout.n_expert))
         want(b + "ffn_down_exps.weight", (ff, n_embd, layout.n_expert))
         want(b + "ffn_gate_up_exps.weight", (n_embd, None if ff is None else 2 * ff, layout.n_expert))
-        if heads is None or h is None or kv is None:
+        if heads is None or h is None or kv is None or layout.arch not in _PLAIN_ATTENTION:
             continue
         # Sliding-window layers (gemma4) have their own head size: either is accepted per layer.
         sizes = {(heads.k, heads.v), (heads.k_swa, heads.v_swa)}
