@@ -186,15 +186,6 @@ def test_unmeasured_figures_are_null_with_reasons(model: Path, tmp_path: Path, m
     assert (tmp_path / "bench.png").exists() and (tmp_path / "bench.csv").exists()
 
 
-def test_overlap_said_unavailable_without_the_field(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from bmoe.io.validate import open_layout
-
-    monkeypatch.setattr(harness, "has_overlap", lambda: False)
-    runs = harness.plan_runs(open_layout(model), harness.BenchOptions(model), 8 * GiB)
-    overlap = next(r for r in runs if r.id == "overlap")
-    assert overlap.skip and "unavailable" in overlap.skip
-
-
 def test_too_tight_limit_refused(model: Path, tmp_path: Path) -> None:
     args = parse([str(model), "--ram-limit", "0.5", "--out", str(tmp_path / "never")])
     with pytest.raises(BudgetError, match="too tight"):

@@ -262,12 +262,6 @@ class Run:
     extra: dict[str, Any] = field(default_factory=dict)  # child spec additions (ttft, squeeze)
 
 
-def has_overlap() -> bool:
-    from bmoe.engine.config import RunConfig
-
-    return any(f.name == "overlap" for f in dataclasses.fields(RunConfig))
-
-
 # Interpreter, llama.cpp's KV and compute buffers, read lanes: measured about 130 MiB on small
 # models; twice that for margin.
 _PROCESS_OVERHEAD = 256 * MiB
@@ -299,8 +293,6 @@ def plan_runs(layout: Any, opts: BenchOptions, available: int) -> list[Run]:
     ]
     overlap = Run("overlap", "stream, cache off, overlap", "bmoe",
                   {"mode": "stream", "cache_bytes": 0, "overlap": True, **common})
-    if not has_overlap():
-        overlap.skip = "unavailable: this RunConfig has no `overlap` field"
     runs.append(overlap)
 
     def cached(run_id: str, label: str, budget: int, note: str | None, warmup: str = "short") -> Run:

@@ -58,6 +58,9 @@ class RunConfig:
     # Resident mode only: install the eval callback that filters nodes but streams nothing, to
     # measure what the callback itself costs.
     eval_filter: bool = False
+    # Keep what the context holds between generations: a prompt that begins with the same tokens
+    # evaluates only the rest (False: every prompt is evaluated from its first token).
+    reuse_prompt: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

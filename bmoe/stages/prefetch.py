@@ -39,7 +39,7 @@ class PrefetchStage:
         cache: ExpertCache,
         residency: Residency,
         board: ReadinessBoard,
-        fast_hits: deque[tuple[int, np.ndarray]],
+        fast_hits: deque[tuple[int, np.ndarray, np.ndarray]],
         hooks: Hooks,
     ) -> None:
         self._cache = cache
@@ -71,12 +71,12 @@ class PrefetchStage:
         cache sees one plan per routed layer, exactly as a replay of the same routing does."""
         fast = self._fast_hits
         while fast:
-            layer, experts = fast.popleft()
-            self._plan(layer, tuple(experts.tolist()))
+            layer, experts, ranks = fast.popleft()
+            self._plan(layer, tuple(experts.tolist()), tuple(ranks.tolist()))
 
-    def _plan(self, layer: int, routed: tuple[int, ...]) -> Plan:
+    def _plan(self, layer: int, routed: tuple[int, ...], ranks: tuple[int, ...] | None = None) -> Plan:
         """Plan one routed layer, release what it evicts, and remember what it routed."""
-        plan = self._cache.plan(layer, routed)
+        plan = self._cache.plan(layer, routed, ranks)
         self.evict(plan.evictions, [(layer, e) for e in plan.misses])
         self._last[layer] = routed
         if self.predictor is not None:
@@ -116,7 +116,7 @@ class PrefetchStage:
                 self.account_fast_hits()
                 if self.between_layers is not None:
                     self.between_layers()
-                plan = self._plan(event.layer, event.experts)
+                plan = self._plan(event.layer, event.experts, event.ranks)
                 self.cache_s += time.perf_counter() - t0
                 if self._hooks.on_plan:
                     self._hooks.on_plan(event, plan)
