@@ -40,6 +40,8 @@ SPECS = {
     "bailingmoe2": TinySpec(arch="bailingmoe2", **W),
     "lfm2moe": TinySpec(arch="lfm2moe", wtype="f16", **W),
     "qwen3vlmoe": TinySpec(arch="qwen3vlmoe", wtype="q8_0", **W),
+    "dots1": TinySpec(arch="dots1", wtype="f16", **W),
+    "hunyuan-moe": TinySpec(arch="hunyuan-moe", wtype="q8_0", **W),
 }
 EVICTING = MiB  # the smallest budget RunConfig takes
 
@@ -87,6 +89,7 @@ EXPECTED_MOE_LAYERS = {
     "lfm2moe": (1, 2),
     "llama4": (1, 3),  # interleave_moe_layer_step 2
     "qwen35moe": (0, 1),  # block 2 MTP
+    "dots1": (1,),
 }
 
 

@@ -58,6 +58,7 @@ def rename_arch(old: str, new: str, then: Callable[[GGUFWriter], None] | None = 
 # (id, spec, metadata edit, what the one line must say)
 FAULTS = [
     ("gating-absent", TinySpec(arch="minimax-m2"), drop("minimax-m2.expert_gating_func"), "expert_gating_func"),
+    ("gating-absent-dots1", TinySpec(arch="dots1"), drop("dots1.expert_gating_func"), "expert_gating_func"),
     ("gating-invalid", TinySpec(arch="glm4moe"), set_u32("glm4moe.expert_gating_func", 7), "expert_gating_func is 7"),
     ("gating-none", TinySpec(arch="bailingmoe2"), set_u32("bailingmoe2.expert_gating_func", 0), "expert_gating_func is 0"),
     ("groups-do-not-divide", TinySpec(arch="bailingmoe2"), set_u32("bailingmoe2.expert_group_count", 3),

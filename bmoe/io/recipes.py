@@ -116,6 +116,10 @@ RECIPES: dict[str, Recipe] = {
         Recipe("llama4", required_keys=_keys(EXPERT_WIDTH, "interleave_moe_layer_step")),
         Recipe("bailingmoe2", required_keys=_keys(EXPERT_WIDTH, "expert_shared_count", "expert_gating_func"),
                gating_required=True),
+        # dots.llm1: the gating key is optional in the loader, absent it aborts (verified upstream).
+        Recipe("dots1", required_keys=_keys(EXPERT_WIDTH, "expert_shared_count"), gating_required=True),
+        # Hunyuan-A13B: experts are {E, feed_forward_length, N}; the loader still requires the expert key.
+        Recipe("hunyuan-moe", required_keys=_keys(FFN_WIDTH, EXPERT_WIDTH), width_key=FFN_WIDTH),
         Recipe("lfm2moe", required_keys=_keys(EXPERT_WIDTH, "expert_gating_func", "shortconv.l_cache"),
                recurrent=True, recurrent_marker="kv_heads", gating_required=True),
     )

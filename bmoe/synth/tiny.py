@@ -218,6 +218,9 @@ class _Builder:
         self.F_shexp = spec.n_ff
         family = FAMILIES.get(spec.arch)
         self.x: dict[str, object] = dict(family.extra) if family else {}  # the family's own widths
+        kv = family.overrides(self).get("n_head_kv") if family else None
+        if isinstance(kv, int):
+            self.n_head_kv = kv
         self.router_std = ROUTER_LOGIT_STD * spec.n_embd ** -0.5  # the router sees a unit-RMS vector
         self.wq = _WTYPES[spec.wtype][0]
         self.out: list[_Tensor] = []
