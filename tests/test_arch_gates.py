@@ -149,3 +149,17 @@ def test_split_sets_stream_like_the_single_file(tiny, arch: str) -> None:
     assert tiny.resident_tokens(shards) == resident
     for odirect in (True, False):
         assert generate_tokens(shards, stream(odirect=odirect, io_threads=4)) == resident
+
+
+@pytest.mark.parametrize("arch,mode", [("qwen35moe", "user"), ("qwen3next", "mmap-drop")])
+def test_fused_hybrid_files_open_as_cheaply_as_they_can(tiny, arch: str, mode: str) -> None:
+    """Fused gate/up, no MTP: qwen35moe takes the user open; qwen3next's user open would create
+    the legacy ssm_in, so it is refused from the recipe before llama.cpp is asked."""
+    path = tiny.path(TinySpec(arch=arch, fuse_gate_up=True))
+
+    async def go():  # noqa: ANN202
+        with Session.open(path, stream()) as s:
+            return s.open_mode, (await s.generate(PROMPT, N_TOKENS, stop_at_end=False)).tokens
+
+    open_mode, tokens = asyncio.run(go())
+    assert open_mode == mode and tokens == tiny.resident_tokens(path)

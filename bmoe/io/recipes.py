@@ -60,6 +60,9 @@ class Recipe:
     rope_sections: bool = False
     # Tensor name suffixes llama.cpp's kernels assert to be F32 (gpt-oss sinks and biases).
     f32_suffixes: tuple[str, ...] = ()
+    # None: llama.cpp's user open builds this arch as the plain load does (given the fused rule
+    # above). Otherwise why it cannot: it then creates a tensor no file has and bmoe cannot fill.
+    user_open_refusal: str | None = None
     # How a hybrid marks its recurrent blocks: "interval" (every full_attention_interval-th block
     # attends, default 4, or a per-block attention.recurrent_layers array) or "kv_heads" (a block
     # with 0 KV heads is recurrent). With no attending block at all llama.cpp creates no KV buffer
@@ -105,7 +108,8 @@ RECIPES: dict[str, Recipe] = {
         Recipe("qwen35moe", (SPLIT, FUSED), _keys(EXPERT_WIDTH, "rope.dimension_sections", *_SSM_KEYS),
                user_open_fuses=True, recurrent=True, rope_sections=True, recurrent_marker="interval"),
         Recipe("qwen3next", (SPLIT, FUSED), _keys(EXPERT_WIDTH, *_SSM_KEYS), user_open_fuses=True, recurrent=True,
-               recurrent_marker="interval"),
+               recurrent_marker="interval",
+               user_open_refusal="qwen3next's user open creates the legacy ssm_in the file lacks (measured)"),
         Recipe("qwen3vlmoe", required_keys=_keys("rope.dimension_sections"), rope_sections=True),
         Recipe("deepseek2", (SPLIT, FUSED), _keys(EXPERT_WIDTH, "expert_shared_count", "attention.kv_lora_rank"),
                user_open_fuses=True),
