@@ -42,6 +42,7 @@ SPECS = {
     "qwen3vlmoe": TinySpec(arch="qwen3vlmoe", wtype="q8_0", **W),
     "dots1": TinySpec(arch="dots1", wtype="f16", **W),
     "hunyuan-moe": TinySpec(arch="hunyuan-moe", wtype="q8_0", **W),
+    "ernie4_5-moe": TinySpec(arch="ernie4_5-moe", **W),
 }
 EVICTING = MiB  # the smallest budget RunConfig takes
 
@@ -90,6 +91,7 @@ EXPECTED_MOE_LAYERS = {
     "llama4": (1, 3),  # interleave_moe_layer_step 2
     "qwen35moe": (0, 1),  # block 2 MTP
     "dots1": (1,),
+    "ernie4_5-moe": (1,),
 }
 
 

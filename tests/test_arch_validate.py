@@ -77,6 +77,8 @@ FAULTS = [
     ("count-zero", TinySpec(arch="gpt-oss"), set_u32("gpt-oss.expert_count", 0), "expert_used_count is 2"),
     ("rope-scaling-unknown", TinySpec(arch="qwen35moe"),
      set_value("qwen35moe.rope.scaling.type", "warp", GGUFValueType.STRING), "rope.scaling.type is 'warp'"),
+    ("ernie-step-zero", TinySpec(arch="ernie4_5-moe"), set_u32("ernie4_5-moe.interleave_moe_layer_step", 0),
+     "interleave_moe_layer_step is 0"),
     ("hybrid-without-attention", TinySpec(arch="qwen3next"), set_u32("qwen3next.full_attention_interval", 4),
      "none of the 2 blocks attends"),
     ("conv-only-lfm2", TinySpec(arch="lfm2moe"),

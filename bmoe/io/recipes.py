@@ -63,6 +63,8 @@ class Recipe:
     # None: llama.cpp's user open builds this arch as the plain load does (given the fused rule
     # above). Otherwise why it cannot: it then creates a tensor no file has and bmoe cannot fill.
     user_open_refusal: str | None = None
+    # ``interleave_moe_layer_step`` 0 aborts (ernie4_5-moe's graph asserts it positive).
+    moe_step_positive: bool = False
     # How a hybrid marks its recurrent blocks: "interval" (every full_attention_interval-th block
     # attends, default 4, or a per-block attention.recurrent_layers array) or "kv_heads" (a block
     # with 0 KV heads is recurrent). With no attending block at all llama.cpp creates no KV buffer
@@ -82,7 +84,7 @@ class Recipe:
         return f"{self.arch}.{name}"
 
 
-_GRAPH_ORDER = ("ffn_gate_up_exps", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+_GRAPH_ORDER = ("ffn_gate_up_exps", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # gate before up (DESIGN)
 
 
 def _keys(*extra: str) -> tuple[str, ...]:
@@ -124,6 +126,10 @@ RECIPES: dict[str, Recipe] = {
         Recipe("dots1", required_keys=_keys(EXPERT_WIDTH, "expert_shared_count"), gating_required=True),
         # Hunyuan-A13B: experts are {E, feed_forward_length, N}; the loader still requires the expert key.
         Recipe("hunyuan-moe", required_keys=_keys(FFN_WIDTH, EXPERT_WIDTH), width_key=FFN_WIDTH),
+        # ERNIE 4.5 (published models: interleave_moe_layer_step 1); a step of 0 aborts (GGML_ASSERT
+        # in the graph builder, verified). The gate experts are optional in the loader.
+        Recipe("ernie4_5-moe", (SPLIT, ("ffn_up_exps", "ffn_down_exps")),
+               _keys(EXPERT_WIDTH, "interleave_moe_layer_step"), moe_step_positive=True),
         Recipe("lfm2moe", required_keys=_keys(EXPERT_WIDTH, "expert_gating_func", "shortconv.l_cache"),
                recurrent=True, recurrent_marker="kv_heads", gating_required=True),
     )

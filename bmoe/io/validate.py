@@ -143,6 +143,9 @@ def _check_aborting_metadata(first: ShardIndex, recipe: Recipe) -> None:
     scaling = first.metadata.get(key("rope.scaling.type"))
     if scaling is not None and scaling not in _ROPE_SCALING:
         raise ModelFileError(f"{path}: {key('rope.scaling.type')} is {scaling!r}, not one of {', '.join(_ROPE_SCALING)}")
+    step = _int_key(first, key("interleave_moe_layer_step"))
+    if recipe.moe_step_positive and step == 0:
+        raise ModelFileError(f"{path}: {key('interleave_moe_layer_step')} is 0; llama.cpp aborts unless it is positive")
     if n_layer is not None and recipe.recurrent_marker:
         _check_some_block_attends(first, recipe, n_layer - (nextn or 0))
     sections = first.arrays.get(key("rope.dimension_sections"))

@@ -468,6 +468,30 @@ def _hunyuan_keys(w: GGUFWriter, b: _Builder) -> None:
     w.add_uint32("hunyuan-moe.expert_shared_feed_forward_length", b.F_shexp)
 
 
+# --- ernie4_5-moe ---------------------------------------------------------------------------------
+
+
+def _ernie_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "attn_norm.weight", E)
+    _attn(b, p, norms=False)
+    b.ones(p + "ffn_norm.weight", E)
+    if il < b.dense_lead:
+        _dense_ffn(b, p, b.F_dense)
+    else:
+        _router(b, p, probs_bias=True)
+        b.experts(p)
+        _shexp(b, p, b.F_shexp)
+
+
+def _ernie_keys(w: GGUFWriter, b: _Builder) -> None:
+    a = "ernie4_5-moe"
+    w.add_uint32(f"{a}.feed_forward_length", b.F_dense)
+    w.add_uint32(f"{a}.expert_shared_feed_forward_length", b.F_shexp)
+    w.add_uint32(f"{a}.interleave_moe_layer_step", 1)  # what the published models use
+    w.add_uint32(f"{a}.leading_dense_block_count", b.dense_lead)
+
+
 FAMILIES: dict[str, Family] = {
     f.arch: f
     for f in (
@@ -485,6 +509,7 @@ FAMILIES: dict[str, Family] = {
                fuses_gate_up=True, mtp=True, extra=_GDN),
         Family("dots1", _dots1_layer, _dots1_keys, min_layers=2, overrides=_full_kv_heads, extra=(("n_shared", 2),)),
         Family("hunyuan-moe", _hunyuan_layer, _hunyuan_keys),
+        Family("ernie4_5-moe", _ernie_layer, _ernie_keys, min_layers=2),
         Family("lfm2moe", _lfm2_layer, _lfm2_keys, min_layers=3, default_layers=3,
                overrides=_lfm2_overrides, output_norm="token_embd_norm.weight"),
     )
