@@ -43,6 +43,8 @@ SPECS = {
     "dots1": TinySpec(arch="dots1", wtype="f16", **W),
     "hunyuan-moe": TinySpec(arch="hunyuan-moe", wtype="q8_0", **W),
     "ernie4_5-moe": TinySpec(arch="ernie4_5-moe", **W),
+    "olmoe": TinySpec(arch="olmoe", wtype="f16", **W),
+    "llama": TinySpec(arch="llama", wtype="q8_0", **W),  # Mixtral
 }
 EVICTING = MiB  # the smallest budget RunConfig takes
 

@@ -99,7 +99,8 @@ RECIPES: dict[str, Recipe] = {
         Recipe("qwen2moe", required_keys=_keys(EXPERT_WIDTH)),
         # olmoe and Mixtral size their experts by feed_forward_length, not the expert key.
         Recipe("olmoe", required_keys=_keys(FFN_WIDTH), width_key=FFN_WIDTH),
-        Recipe("llama", required_keys=_keys(FFN_WIDTH), width_key=FFN_WIDTH),
+        # Mixtral: the gate experts are optional in the loader.
+        Recipe("llama", (SPLIT, ("ffn_up_exps", "ffn_down_exps")), _keys(FFN_WIDTH), width_key=FFN_WIDTH),
         Recipe("gemma4", (FUSED, SPLIT), _keys(EXPERT_WIDTH, FFN_WIDTH), user_open_fuses=True),
         # MXFP4 experts; router bias, per-expert biases and attention sinks stay resident (F32).
         Recipe(

@@ -492,6 +492,36 @@ def _ernie_keys(w: GGUFWriter, b: _Builder) -> None:
     w.add_uint32(f"{a}.leading_dense_block_count", b.dense_lead)
 
 
+# --- olmoe, llama (Mixtral) -------------------------------------------------------------------------
+
+
+def _olmoe_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "attn_norm.weight", E)
+    _attn(b, p, norms=False)
+    b.ones(p + "attn_q_norm.weight", E)  # full-width q/k norms (k as wide as q on this arch)
+    b.ones(p + "attn_k_norm.weight", E)
+    b.ones(p + "ffn_norm.weight", E)
+    _router(b, p)
+    b.experts(p)
+
+
+def _mixtral_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "attn_norm.weight", E)
+    _attn(b, p, norms=False)
+    b.ones(p + "ffn_norm.weight", E)
+    _router(b, p)
+    b.experts(p)
+
+
+def _ffn_width_keys(arch: str) -> Callable[[GGUFWriter, _Builder], None]:
+    def keys(w: GGUFWriter, b: _Builder) -> None:
+        w.add_uint32(f"{arch}.feed_forward_length", b.F)  # the experts' width on these archs
+
+    return keys
+
+
 FAMILIES: dict[str, Family] = {
     f.arch: f
     for f in (
@@ -510,6 +540,8 @@ FAMILIES: dict[str, Family] = {
         Family("dots1", _dots1_layer, _dots1_keys, min_layers=2, overrides=_full_kv_heads, extra=(("n_shared", 2),)),
         Family("hunyuan-moe", _hunyuan_layer, _hunyuan_keys),
         Family("ernie4_5-moe", _ernie_layer, _ernie_keys, min_layers=2),
+        Family("olmoe", _olmoe_layer, _ffn_width_keys("olmoe"), overrides=_full_kv_heads),
+        Family("llama", _mixtral_layer, _ffn_width_keys("llama")),
         Family("lfm2moe", _lfm2_layer, _lfm2_keys, min_layers=3, default_layers=3,
                overrides=_lfm2_overrides, output_norm="token_embd_norm.weight"),
     )
