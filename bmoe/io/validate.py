@@ -1,7 +1,10 @@
 """Check a model file set in Python before llama.cpp ever sees it.
 
-Malformed metadata can trip a GGML_ASSERT that kills the process (a missing expert count, for
-one), and many other faults only surface as a failed load after seconds of reading. Everything
+Malformed metadata can trip a GGML_ASSERT that kills the process (a missing expert count, an
+absent ``expert_gating_func`` where the graph needs one, expert groups that do not divide, all-zero
+rope sections, a hybrid with no attending block, non-F32 sinks: ARCHITECTURES.md section 6 and
+``docs/facts.md``), and many other faults only surface as a failed load after seconds of reading.
+What differs per architecture comes from its recipe (``bmoe.io.recipes``), never a name test here. Everything
 llama.cpp would trip on that can be seen from the index is checked here instead, each fault as
 one line naming the file, raised as its own class from ``bmoe.errors``. The index parse itself
 (``layout.read_index``) already refuses what is structurally broken.
