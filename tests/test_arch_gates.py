@@ -167,3 +167,17 @@ def test_fused_hybrid_files_open_as_cheaply_as_they_can(tiny, arch: str, mode: s
 
     open_mode, tokens = asyncio.run(go())
     assert open_mode == mode and tokens == tiny.resident_tokens(path)
+
+
+@pytest.mark.parametrize("arch", ["llama", "ernie4_5-moe"])
+def test_up_down_only_experts(tiny, arch: str) -> None:
+    """The loaders take experts without gate projections here: two projections stream, same tokens."""
+    spec = dataclasses.replace(SPECS[arch], gate_experts=False)
+    path = tiny.path(spec)
+    layout = open_layout(path)
+    assert [e.suffix for e in layout.layer_experts(layout.moe_layers[0])] == ["ffn_up_exps", "ffn_down_exps"]
+    resident = tiny.resident_tokens(path)
+    assert len(set(resident)) >= 6
+    for overlap in (False, True):
+        assert generate_tokens(path, stream(overlap=overlap, cache_bytes=EVICTING)) == resident
+    assert generate_tokens(path, stream(), skip_top_expert(layout.moe_layers[0])) != resident

@@ -62,6 +62,7 @@ class Family:
     output_norm: str = "output_norm.weight"
     fuses_gate_up: bool = False  # may write ffn_gate_up_exps (llama.cpp accepts either)
     mtp: bool = False  # may carry nextn_predict_layers MTP blocks
+    gate_optional: bool = False  # the loader takes up/down experts without gate ones
     # Family widths beyond the common ones (MLA ranks, gated-delta-net heads, groups, ...): the tiny
     # fixture's values; ``synth --like`` replaces them with a real model's (``MoeShape.extra``).
     extra: tuple[tuple[str, Any], ...] = ()
@@ -539,9 +540,9 @@ FAMILIES: dict[str, Family] = {
                fuses_gate_up=True, mtp=True, extra=_GDN),
         Family("dots1", _dots1_layer, _dots1_keys, min_layers=2, overrides=_full_kv_heads, extra=(("n_shared", 2),)),
         Family("hunyuan-moe", _hunyuan_layer, _hunyuan_keys),
-        Family("ernie4_5-moe", _ernie_layer, _ernie_keys, min_layers=2),
+        Family("ernie4_5-moe", _ernie_layer, _ernie_keys, min_layers=2, gate_optional=True),
         Family("olmoe", _olmoe_layer, _ffn_width_keys("olmoe"), overrides=_full_kv_heads),
-        Family("llama", _mixtral_layer, _ffn_width_keys("llama")),
+        Family("llama", _mixtral_layer, _ffn_width_keys("llama"), gate_optional=True),
         Family("lfm2moe", _lfm2_layer, _lfm2_keys, min_layers=3, default_layers=3,
                overrides=_lfm2_overrides, output_norm="token_embd_norm.weight"),
     )
