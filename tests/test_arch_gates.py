@@ -104,9 +104,17 @@ def test_layers_without_experts_get_nothing(tiny, arch: str) -> None:
     assert all(il in layout.moe_layers for il, _ in layout.experts)
 
 
-@pytest.mark.parametrize("arch", ["glm4moe", "qwen35moe"])
+MTP_SPECS = {
+    "glm4moe": SPECS["glm4moe"],
+    "qwen35moe": SPECS["qwen35moe"],
+    "bailingmoe2": dataclasses.replace(SPECS["bailingmoe2"], n_nextn=1),
+    "deepseek2": dataclasses.replace(SPECS["deepseek2"], n_nextn=1),
+}
+
+
+@pytest.mark.parametrize("arch", list(MTP_SPECS))
 def test_mtp_file_never_takes_the_user_path_and_never_reads_mtp_experts(tiny, arch: str) -> None:
-    spec = SPECS[arch]
+    spec = MTP_SPECS[arch]
     path = tiny.path(spec)
     layout = open_layout(path)
     mtp = spec.n_layer  # the MTP block follows the main ones
