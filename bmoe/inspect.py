@@ -14,6 +14,10 @@ came from:
 - compute: the bytes a token touches (dense part + the routed experts) over a memory throughput,
   a prior unless ``--compute-gbs`` gives a measured one.
 
+It also says how a streamed run would open the file here (``--open-mode auto``) and what that
+open reads: the dense part (the user open), or the whole file once (MTP blocks, split gate/up
+experts of archs whose user open fuses them, or not enough memory for the user open's allocation).
+
 forecast tok/s = 1 / (read bytes per token / read rate + active bytes per token / compute rate),
 reads and compute in series (no overlap, no read-ahead).
 """
@@ -29,6 +33,7 @@ from pathlib import Path
 
 from gguf import GGMLQuantizationType
 
+from bmoe.engine.loader import choose_open_mode
 from bmoe.io.layout import ModelLayout, block_of
 from bmoe.io.probe import ProbeResult, cache_dir, cached_probe
 from bmoe.io.recipes import RECIPES, recipe_for
@@ -106,6 +111,9 @@ class Report:
     floor_bytes: int  # what the process needs beside dense + experts (the budget model's needs)
     auto_budget_bytes: int
     auto_budget_how: str
+    open_mode: str  # what a streamed run's --open-mode auto picks on this machine
+    open_reason: str
+    open_read_bytes: int  # what that open reads: the dense part, or the whole file once
     read_mib_s: float | None
     read_how: str
     compute_gbs: float
@@ -179,6 +187,8 @@ def inspect_model(path: str | os.PathLike[str], *, ram_bytes: int | None = None,
         verdict, why = "streamed", "the dense part and one token's experts fit, the expert bank does not"
     else:
         verdict, why = "cannot run", "the dense part + one token's working set exceed the RAM"
+    open_mode, open_reason = choose_open_mode(layout, streaming=True)
+    open_read = dense if open_mode == "user" else layout.file_bytes
     budget = resolve_budget(None, ceiling=None, mem_available=ram_bytes, needs=needs,
                             expert_bank_bytes=bank, working_set_bytes=ws)
     first = layout.layer_experts(layout.moe_layers[0])[0]
@@ -200,6 +210,7 @@ def inspect_model(path: str | os.PathLike[str], *, ram_bytes: int | None = None,
         expert_bytes_per_layer=entry, expert_bank_bytes=bank, dense_bytes=dense,
         mtp_bytes=layout.skipped_bytes, bytes_per_token_cache_off=ws, ram_bytes=ram_bytes, ram_how=ram_how,
         verdict=verdict, verdict_why=why, floor_bytes=floor, auto_budget_bytes=budget.bytes, auto_budget_how=budget.how,
+        open_mode=open_mode, open_reason=open_reason, open_read_bytes=open_read,
         read_mib_s=rate.mib_s if rate else None, read_how=read_how, compute_gbs=gbs, compute_how=compute_how,
     )
     # A token touches the dense part (of the embeddings only its own row) and its routed experts.
@@ -236,6 +247,7 @@ def render(r: Report) -> str:
         f"  per token      {_mib(r.bytes_per_token_cache_off)} read with the cache off",
         f"  RAM            {_mib(r.ram_bytes)} ({r.ram_how}): {r.verdict.upper()} - {r.verdict_why}",
         f"  auto budget    {_mib(r.auto_budget_bytes)} ({r.auto_budget_how})",
+        f"  open           {r.open_mode}, reads {_mib(r.open_read_bytes)} ({r.open_reason})",
         f"  read rate      {f'{r.read_mib_s:,.0f} MiB/s' if r.read_mib_s else 'unmeasured'} ({r.read_how})",
         f"  compute        {r.compute_gbs:g} GB/s ({r.compute_how})",
         f"  hit rate       {r.hit_how}",

@@ -40,6 +40,11 @@ SPECS = {
     "bailingmoe2": TinySpec(arch="bailingmoe2", **W),
     "lfm2moe": TinySpec(arch="lfm2moe", wtype="f16", **W),
     "qwen3vlmoe": TinySpec(arch="qwen3vlmoe", wtype="q8_0", **W),
+    "dots1": TinySpec(arch="dots1", wtype="f16", **W),
+    "hunyuan-moe": TinySpec(arch="hunyuan-moe", wtype="q8_0", **W),
+    "ernie4_5-moe": TinySpec(arch="ernie4_5-moe", **W),
+    "olmoe": TinySpec(arch="olmoe", wtype="f16", **W),
+    "llama": TinySpec(arch="llama", wtype="q8_0", **W),  # Mixtral
 }
 EVICTING = MiB  # the smallest budget RunConfig takes
 
@@ -87,6 +92,8 @@ EXPECTED_MOE_LAYERS = {
     "lfm2moe": (1, 2),
     "llama4": (1, 3),  # interleave_moe_layer_step 2
     "qwen35moe": (0, 1),  # block 2 MTP
+    "dots1": (1,),
+    "ernie4_5-moe": (1,),
 }
 
 
@@ -97,9 +104,17 @@ def test_layers_without_experts_get_nothing(tiny, arch: str) -> None:
     assert all(il in layout.moe_layers for il, _ in layout.experts)
 
 
-@pytest.mark.parametrize("arch", ["glm4moe", "qwen35moe"])
+MTP_SPECS = {
+    "glm4moe": SPECS["glm4moe"],
+    "qwen35moe": SPECS["qwen35moe"],
+    "bailingmoe2": dataclasses.replace(SPECS["bailingmoe2"], n_nextn=1),
+    "deepseek2": dataclasses.replace(SPECS["deepseek2"], n_nextn=1),
+}
+
+
+@pytest.mark.parametrize("arch", list(MTP_SPECS))
 def test_mtp_file_never_takes_the_user_path_and_never_reads_mtp_experts(tiny, arch: str) -> None:
-    spec = SPECS[arch]
+    spec = MTP_SPECS[arch]
     path = tiny.path(spec)
     layout = open_layout(path)
     mtp = spec.n_layer  # the MTP block follows the main ones
@@ -146,3 +161,31 @@ def test_split_sets_stream_like_the_single_file(tiny, arch: str) -> None:
     assert tiny.resident_tokens(shards) == resident
     for odirect in (True, False):
         assert generate_tokens(shards, stream(odirect=odirect, io_threads=4)) == resident
+
+
+@pytest.mark.parametrize("arch,mode", [("qwen35moe", "user"), ("qwen3next", "mmap-drop")])
+def test_fused_hybrid_files_open_as_cheaply_as_they_can(tiny, arch: str, mode: str) -> None:
+    """Fused gate/up, no MTP: qwen35moe takes the user open; qwen3next's user open would create
+    the legacy ssm_in, so it is refused from the recipe before llama.cpp is asked."""
+    path = tiny.path(TinySpec(arch=arch, fuse_gate_up=True))
+
+    async def go():  # noqa: ANN202
+        with Session.open(path, stream()) as s:
+            return s.open_mode, (await s.generate(PROMPT, N_TOKENS, stop_at_end=False)).tokens
+
+    open_mode, tokens = asyncio.run(go())
+    assert open_mode == mode and tokens == tiny.resident_tokens(path)
+
+
+@pytest.mark.parametrize("arch", ["llama", "ernie4_5-moe"])
+def test_up_down_only_experts(tiny, arch: str) -> None:
+    """The loaders take experts without gate projections here: two projections stream, same tokens."""
+    spec = dataclasses.replace(SPECS[arch], gate_experts=False)
+    path = tiny.path(spec)
+    layout = open_layout(path)
+    assert [e.suffix for e in layout.layer_experts(layout.moe_layers[0])] == ["ffn_up_exps", "ffn_down_exps"]
+    resident = tiny.resident_tokens(path)
+    assert len(set(resident)) >= 6
+    for overlap in (False, True):
+        assert generate_tokens(path, stream(overlap=overlap, cache_bytes=EVICTING)) == resident
+    assert generate_tokens(path, stream(), skip_top_expert(layout.moe_layers[0])) != resident

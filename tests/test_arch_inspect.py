@@ -98,3 +98,21 @@ def test_list_archs_names_every_recipe() -> None:
     done = cli("--list-archs")
     assert done.returncode == 0
     assert [line.split()[0] for line in done.stdout.splitlines()] == sorted(RECIPES)
+
+
+def test_inspect_names_an_unsupported_architecture(tmp_path: Path) -> None:
+    from bmoe.synth.tiny import write_tiny
+    from tests.test_arch_validate import rename_arch
+
+    (path,) = write_tiny(tmp_path / "grove.gguf", TinySpec(), edit_metadata=rename_arch("qwen3moe", "grovemoe"))
+    done = cli("inspect", str(path))
+    assert done.returncode == 1 and done.stderr.count("\n") == 1
+    assert "'grovemoe' has no bmoe recipe" in done.stderr and "gpt-oss" in done.stderr
+
+
+def test_inspect_says_how_a_streamed_run_opens(tiny) -> None:
+    mtp = inspect_model(tiny.path(SPECS["glm4moe"]), ram_bytes=8 * GiB)
+    assert mtp.open_mode == "mmap-drop" and "MTP" in mtp.open_reason
+    assert mtp.open_read_bytes == sum(p.stat().st_size for p in [tiny.path(SPECS["glm4moe"])])
+    cheap = inspect_model(tiny.path(SPECS["gpt-oss"]), ram_bytes=8 * GiB)
+    assert cheap.open_mode == "user" and cheap.open_read_bytes == cheap.dense_bytes

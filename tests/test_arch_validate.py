@@ -58,6 +58,7 @@ def rename_arch(old: str, new: str, then: Callable[[GGUFWriter], None] | None = 
 # (id, spec, metadata edit, what the one line must say)
 FAULTS = [
     ("gating-absent", TinySpec(arch="minimax-m2"), drop("minimax-m2.expert_gating_func"), "expert_gating_func"),
+    ("gating-absent-dots1", TinySpec(arch="dots1"), drop("dots1.expert_gating_func"), "expert_gating_func"),
     ("gating-invalid", TinySpec(arch="glm4moe"), set_u32("glm4moe.expert_gating_func", 7), "expert_gating_func is 7"),
     ("gating-none", TinySpec(arch="bailingmoe2"), set_u32("bailingmoe2.expert_gating_func", 0), "expert_gating_func is 0"),
     ("groups-do-not-divide", TinySpec(arch="bailingmoe2"), set_u32("bailingmoe2.expert_group_count", 3),
@@ -76,6 +77,8 @@ FAULTS = [
     ("count-zero", TinySpec(arch="gpt-oss"), set_u32("gpt-oss.expert_count", 0), "expert_used_count is 2"),
     ("rope-scaling-unknown", TinySpec(arch="qwen35moe"),
      set_value("qwen35moe.rope.scaling.type", "warp", GGUFValueType.STRING), "rope.scaling.type is 'warp'"),
+    ("ernie-step-zero", TinySpec(arch="ernie4_5-moe"), set_u32("ernie4_5-moe.interleave_moe_layer_step", 0),
+     "interleave_moe_layer_step is 0"),
     ("hybrid-without-attention", TinySpec(arch="qwen3next"), set_u32("qwen3next.full_attention_interval", 4),
      "none of the 2 blocks attends"),
     ("conv-only-lfm2", TinySpec(arch="lfm2moe"),

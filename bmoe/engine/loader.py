@@ -191,6 +191,8 @@ def user_path_refusal(layout: ModelLayout) -> str | None:
     recipe = recipe_for(layout.arch)
     if layout.n_nextn:
         return f"{layout.n_nextn} MTP block(s), which llama.cpp's user open aborts on"
+    if recipe.user_open_refusal:
+        return recipe.user_open_refusal
     split = layout.moe_layers and "ffn_gate_up_exps" not in {e.suffix for e in layout.layer_experts(layout.moe_layers[0])}
     if recipe.user_open_fuses and split:
         return f"{layout.arch} with split gate/up experts: llama.cpp's user open builds a fused ffn_gate_up_exps the file lacks"

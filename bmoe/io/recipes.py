@@ -60,6 +60,11 @@ class Recipe:
     rope_sections: bool = False
     # Tensor name suffixes llama.cpp's kernels assert to be F32 (gpt-oss sinks and biases).
     f32_suffixes: tuple[str, ...] = ()
+    # None: llama.cpp's user open builds this arch as the plain load does (given the fused rule
+    # above). Otherwise why it cannot: it then creates a tensor no file has and bmoe cannot fill.
+    user_open_refusal: str | None = None
+    # ``interleave_moe_layer_step`` 0 aborts (ernie4_5-moe's graph asserts it positive).
+    moe_step_positive: bool = False
     # How a hybrid marks its recurrent blocks: "interval" (every full_attention_interval-th block
     # attends, default 4, or a per-block attention.recurrent_layers array) or "kv_heads" (a block
     # with 0 KV heads is recurrent). With no attending block at all llama.cpp creates no KV buffer
@@ -79,7 +84,7 @@ class Recipe:
         return f"{self.arch}.{name}"
 
 
-_GRAPH_ORDER = ("ffn_gate_up_exps", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+_GRAPH_ORDER = ("ffn_gate_up_exps", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # gate before up (DESIGN)
 
 
 def _keys(*extra: str) -> tuple[str, ...]:
@@ -94,7 +99,8 @@ RECIPES: dict[str, Recipe] = {
         Recipe("qwen2moe", required_keys=_keys(EXPERT_WIDTH)),
         # olmoe and Mixtral size their experts by feed_forward_length, not the expert key.
         Recipe("olmoe", required_keys=_keys(FFN_WIDTH), width_key=FFN_WIDTH),
-        Recipe("llama", required_keys=_keys(FFN_WIDTH), width_key=FFN_WIDTH),
+        # Mixtral: the gate experts are optional in the loader.
+        Recipe("llama", (SPLIT, ("ffn_up_exps", "ffn_down_exps")), _keys(FFN_WIDTH), width_key=FFN_WIDTH),
         Recipe("gemma4", (FUSED, SPLIT), _keys(EXPERT_WIDTH, FFN_WIDTH), user_open_fuses=True),
         # MXFP4 experts; router bias, per-expert biases and attention sinks stay resident (F32).
         Recipe(
@@ -105,7 +111,8 @@ RECIPES: dict[str, Recipe] = {
         Recipe("qwen35moe", (SPLIT, FUSED), _keys(EXPERT_WIDTH, "rope.dimension_sections", *_SSM_KEYS),
                user_open_fuses=True, recurrent=True, rope_sections=True, recurrent_marker="interval"),
         Recipe("qwen3next", (SPLIT, FUSED), _keys(EXPERT_WIDTH, *_SSM_KEYS), user_open_fuses=True, recurrent=True,
-               recurrent_marker="interval"),
+               recurrent_marker="interval",
+               user_open_refusal="qwen3next's user open creates the legacy ssm_in the file lacks (measured)"),
         Recipe("qwen3vlmoe", required_keys=_keys("rope.dimension_sections"), rope_sections=True),
         Recipe("deepseek2", (SPLIT, FUSED), _keys(EXPERT_WIDTH, "expert_shared_count", "attention.kv_lora_rank"),
                user_open_fuses=True),
@@ -116,6 +123,14 @@ RECIPES: dict[str, Recipe] = {
         Recipe("llama4", required_keys=_keys(EXPERT_WIDTH, "interleave_moe_layer_step")),
         Recipe("bailingmoe2", required_keys=_keys(EXPERT_WIDTH, "expert_shared_count", "expert_gating_func"),
                gating_required=True),
+        # dots.llm1: the gating key is optional in the loader, absent it aborts (verified upstream).
+        Recipe("dots1", required_keys=_keys(EXPERT_WIDTH, "expert_shared_count"), gating_required=True),
+        # Hunyuan-A13B: experts are {E, feed_forward_length, N}; the loader still requires the expert key.
+        Recipe("hunyuan-moe", required_keys=_keys(FFN_WIDTH, EXPERT_WIDTH), width_key=FFN_WIDTH),
+        # ERNIE 4.5 (published models: interleave_moe_layer_step 1); a step of 0 aborts (GGML_ASSERT
+        # in the graph builder, verified). The gate experts are optional in the loader.
+        Recipe("ernie4_5-moe", (SPLIT, ("ffn_up_exps", "ffn_down_exps")),
+               _keys(EXPERT_WIDTH, "interleave_moe_layer_step"), moe_step_positive=True),
         Recipe("lfm2moe", required_keys=_keys(EXPERT_WIDTH, "expert_gating_func", "shortconv.l_cache"),
                recurrent=True, recurrent_marker="kv_heads", gating_required=True),
     )

@@ -1,7 +1,10 @@
 """Check a model file set in Python before llama.cpp ever sees it.
 
-Malformed metadata can trip a GGML_ASSERT that kills the process (a missing expert count, for
-one), and many other faults only surface as a failed load after seconds of reading. Everything
+Malformed metadata can trip a GGML_ASSERT that kills the process (a missing expert count, an
+absent ``expert_gating_func`` where the graph needs one, expert groups that do not divide, all-zero
+rope sections, a hybrid with no attending block, non-F32 sinks: ARCHITECTURES.md section 6 and
+``docs/facts.md``), and many other faults only surface as a failed load after seconds of reading.
+What differs per architecture comes from its recipe (``bmoe.io.recipes``), never a name test here. Everything
 llama.cpp would trip on that can be seen from the index is checked here instead, each fault as
 one line naming the file, raised as its own class from ``bmoe.errors``. The index parse itself
 (``layout.read_index``) already refuses what is structurally broken.
@@ -145,6 +148,9 @@ def _check_aborting_metadata(first: ShardIndex, recipe: Recipe) -> None:
     scaling = first.metadata.get(key("rope.scaling.type"))
     if scaling is not None and scaling not in _ROPE_SCALING:
         raise ModelFileError(f"{path}: {key('rope.scaling.type')} is {scaling!r}, not one of {', '.join(_ROPE_SCALING)}")
+    step = _int_key(first, key("interleave_moe_layer_step"))
+    if recipe.moe_step_positive and step == 0:
+        raise ModelFileError(f"{path}: {key('interleave_moe_layer_step')} is 0; llama.cpp aborts unless it is positive")
     if n_layer is not None and recipe.recurrent_marker:
         _check_some_block_attends(first, recipe, n_layer - (nextn or 0))
     sections = first.arrays.get(key("rope.dimension_sections"))

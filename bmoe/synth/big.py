@@ -585,6 +585,9 @@ class _FamilyBuilder:
         self.router_std = ROUTER_STD * shape.n_embd ** -0.5
         self.x = {**dict(family.extra), **dict(shape.extra)}
         self.spec = _FamilySpec(spec.layers(shape), shape.n_nextn, shape.n_expert)
+        kv = family.overrides(self).get("n_head_kv")  # type: ignore[arg-type]
+        if isinstance(kv, int):
+            self.n_head_kv = kv
         self.out: list[PlannedTensor] = []
 
     def plan(self) -> list[PlannedTensor]:

@@ -56,11 +56,13 @@ class Family:
     keys: Callable[[GGUFWriter, _Builder], None]  # keys beyond write_moe_keys
     min_layers: int = 1
     default_layers: int = 2
-    # Keys of write_moe_keys this family writes differently (MLA head sizes, per-layer KV heads).
+    # Keys of write_moe_keys this family writes differently (MLA head sizes, per-layer KV heads);
+    # an integer n_head_kv is the builder's too (MLA's plan does not read it).
     overrides: Callable[[_Builder], dict[str, Any]] = lambda b: {}
     output_norm: str = "output_norm.weight"
     fuses_gate_up: bool = False  # may write ffn_gate_up_exps (llama.cpp accepts either)
     mtp: bool = False  # may carry nextn_predict_layers MTP blocks
+    gate_optional: bool = False  # the loader takes up/down experts without gate ones
     # Family widths beyond the common ones (MLA ranks, gated-delta-net heads, groups, ...): the tiny
     # fixture's values; ``synth --like`` replaces them with a real model's (``MoeShape.extra``).
     extra: tuple[tuple[str, Any], ...] = ()
@@ -424,6 +426,103 @@ def _lfm2_overrides(b: _Builder) -> dict[str, Any]:
     return {"n_head_kv": [b.n_head_kv if _lfm2_attention(b, il) else 0 for il in range(b.spec.n_layer)]}
 
 
+# --- dots1, hunyuan-moe ----------------------------------------------------------------------------
+
+
+def _dots1_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "attn_norm.weight", E)
+    _attn(b, p)  # k and v are as wide as q on this arch (head_count_kv = head_count)
+    b.ones(p + "ffn_norm.weight", E)
+    if il < b.dense_lead:
+        _dense_ffn(b, p, b.F_dense)
+    else:
+        _router(b, p, probs_bias=True)
+        b.experts(p)
+        _shexp(b, p, b.F * b.x["n_shared"])
+
+
+def _dots1_keys(w: GGUFWriter, b: _Builder) -> None:
+    a = "dots1"
+    w.add_uint32(f"{a}.feed_forward_length", b.F_dense)
+    w.add_uint32(f"{a}.expert_shared_count", b.x["n_shared"])
+    w.add_uint32(f"{a}.leading_dense_block_count", b.dense_lead)
+    _gating(w, a, 1)
+
+
+def _full_kv_heads(b: _Builder) -> dict[str, Any]:
+    return {"n_head_kv": b.n_head}
+
+
+def _hunyuan_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "attn_norm.weight", E)
+    _attn(b, p)
+    b.ones(p + "ffn_norm.weight", E)
+    _router(b, p)
+    b.experts(p)
+    _shexp(b, p, b.F_shexp)
+
+
+def _hunyuan_keys(w: GGUFWriter, b: _Builder) -> None:
+    w.add_uint32("hunyuan-moe.feed_forward_length", b.F)  # the experts' width on this arch
+    w.add_uint32("hunyuan-moe.expert_shared_feed_forward_length", b.F_shexp)
+
+
+# --- ernie4_5-moe ---------------------------------------------------------------------------------
+
+
+def _ernie_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "attn_norm.weight", E)
+    _attn(b, p, norms=False)
+    b.ones(p + "ffn_norm.weight", E)
+    if il < b.dense_lead:
+        _dense_ffn(b, p, b.F_dense)
+    else:
+        _router(b, p, probs_bias=True)
+        b.experts(p)
+        _shexp(b, p, b.F_shexp)
+
+
+def _ernie_keys(w: GGUFWriter, b: _Builder) -> None:
+    a = "ernie4_5-moe"
+    w.add_uint32(f"{a}.feed_forward_length", b.F_dense)
+    w.add_uint32(f"{a}.expert_shared_feed_forward_length", b.F_shexp)
+    w.add_uint32(f"{a}.interleave_moe_layer_step", 1)  # what the published models use
+    w.add_uint32(f"{a}.leading_dense_block_count", b.dense_lead)
+
+
+# --- olmoe, llama (Mixtral) -------------------------------------------------------------------------
+
+
+def _olmoe_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "attn_norm.weight", E)
+    _attn(b, p, norms=False)
+    b.ones(p + "attn_q_norm.weight", E)  # full-width q/k norms (k as wide as q on this arch)
+    b.ones(p + "attn_k_norm.weight", E)
+    b.ones(p + "ffn_norm.weight", E)
+    _router(b, p)
+    b.experts(p)
+
+
+def _mixtral_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "attn_norm.weight", E)
+    _attn(b, p, norms=False)
+    b.ones(p + "ffn_norm.weight", E)
+    _router(b, p)
+    b.experts(p)
+
+
+def _ffn_width_keys(arch: str) -> Callable[[GGUFWriter, _Builder], None]:
+    def keys(w: GGUFWriter, b: _Builder) -> None:
+        w.add_uint32(f"{arch}.feed_forward_length", b.F)  # the experts' width on these archs
+
+    return keys
+
+
 FAMILIES: dict[str, Family] = {
     f.arch: f
     for f in (
@@ -439,6 +538,11 @@ FAMILIES: dict[str, Family] = {
                fuses_gate_up=True, mtp=True, extra=_GDN),
         Family("qwen3next", _qwen3next_layer, _qwen3next_keys, min_layers=2, overrides=_partial_rope,
                fuses_gate_up=True, mtp=True, extra=_GDN),
+        Family("dots1", _dots1_layer, _dots1_keys, min_layers=2, overrides=_full_kv_heads, extra=(("n_shared", 2),)),
+        Family("hunyuan-moe", _hunyuan_layer, _hunyuan_keys),
+        Family("ernie4_5-moe", _ernie_layer, _ernie_keys, min_layers=2, gate_optional=True),
+        Family("olmoe", _olmoe_layer, _ffn_width_keys("olmoe"), overrides=_full_kv_heads),
+        Family("llama", _mixtral_layer, _ffn_width_keys("llama"), gate_optional=True),
         Family("lfm2moe", _lfm2_layer, _lfm2_keys, min_layers=3, default_layers=3,
                overrides=_lfm2_overrides, output_norm="token_embd_norm.weight"),
     )

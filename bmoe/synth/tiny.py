@@ -64,6 +64,7 @@ class TinySpec:
     shards: int = 1
     fuse_gate_up: bool | None = None
     n_nextn: int = 0  # MTP blocks after the main ones (block_count = n_layer + n_nextn)
+    gate_experts: bool = True  # False: up/down experts only (archs whose loader allows it)
 
     def __post_init__(self) -> None:
         if self.n_layer is None:
@@ -104,6 +105,8 @@ class TinySpec:
             raise ConfigError(f"seed must be non-negative, got {self.seed}")
         if self.fuse_gate_up and not (self.arch == "gemma4" or (family and family.fuses_gate_up)):
             raise ConfigError(f"{self.arch} has no fused gate_up expert tensor")
+        if not self.gate_experts and not (family and family.gate_optional):
+            raise ConfigError(f"{self.arch} needs gate experts")
         if self.n_nextn and not (family and family.mtp):
             raise ConfigError(f"{self.arch} has no MTP blocks")
         if not 0 <= self.n_nextn <= 1:
@@ -114,7 +117,7 @@ class TinySpec:
                 if length % block:
                     raise ConfigError(
                         f"q8_0 needs every row length to be a multiple of {block}; {what}={length}")
-        n_expert_tensors = self.n_block * (2 if self.fused else 3)
+        n_expert_tensors = self.n_block * (2 if self.fused or not self.gate_experts else 3)
         if not 1 <= self.shards <= n_expert_tensors:
             raise ConfigError(
                 f"shards must be in [1, {n_expert_tensors}] (each shard holds an expert tensor), "
@@ -218,6 +221,9 @@ class _Builder:
         self.F_shexp = spec.n_ff
         family = FAMILIES.get(spec.arch)
         self.x: dict[str, object] = dict(family.extra) if family else {}  # the family's own widths
+        kv = family.overrides(self).get("n_head_kv") if family else None
+        if isinstance(kv, int):
+            self.n_head_kv = kv
         self.router_std = ROUTER_LOGIT_STD * spec.n_embd ** -0.5  # the router sees a unit-RMS vector
         self.wq = _WTYPES[spec.wtype][0]
         self.out: list[_Tensor] = []
@@ -243,7 +249,8 @@ class _Builder:
             self.out.append(_Tensor(p + "ffn_gate_up_exps.weight", (N, 2 * F, E), qtype or self.wq, _fused_gate_up(
                 seed, p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight", up_shape, E ** -0.5)))
         else:
-            self.mat(p + "ffn_gate_exps.weight", up_shape, E ** -0.5, qtype=qtype)
+            if self.spec.gate_experts:
+                self.mat(p + "ffn_gate_exps.weight", up_shape, E ** -0.5, qtype=qtype)
             self.mat(p + "ffn_up_exps.weight", up_shape, E ** -0.5, qtype=qtype)
         self.mat(p + "ffn_down_exps.weight", (N, E, F), F ** -0.5, qtype=qtype)
 
