@@ -233,3 +233,10 @@ def test_bmoe_serve_command(tiny) -> None:
     bad = subprocess.run([sys.executable, "-m", "bmoe.cli", "serve", "-m", str(path.parent / "missing.gguf")],
                          capture_output=True, text=True, timeout=GUARD_S)
     assert bad.returncode == 1 and bad.stderr.startswith("bmoe: error:") and len(bad.stderr.splitlines()) == 1
+
+
+def test_a_chat_longer_than_the_context_is_a_400(served) -> None:
+    url, _ = served
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "word " * 3000}]},
+                   timeout=GUARD_S)
+    assert r.status_code == 400 and "does not fit the context" in r.json()["error"]["message"]

@@ -64,6 +64,8 @@ def sampling_from(
 
 
 def _max_tokens(value: int | None, default: int | None, session: Session, n_prompt: int) -> int:
+    if n_prompt >= session.n_ctx:
+        raise ConfigError(f"the prompt ({n_prompt} tokens) does not fit the context ({session.n_ctx} tokens)")
     if value is None:
         value = default if default is not None else session.n_ctx - n_prompt
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
