@@ -237,6 +237,14 @@ class Session:
     def chat_template(self) -> bytes | None:
         return self._live().chat_template()
 
+    def chat_format(self):  # noqa: ANN201 - a bmoe.engine.chat.ChatFormat
+        """The model's chat template, ready to render a conversation."""
+        from bmoe.engine.chat import ChatFormat
+
+        model = self._live()
+        bos, eos = model.special_text()
+        return ChatFormat(model.chat_template(), bos=bos, eos=eos)
+
     async def stream(
         self, prompt: str | Sequence[int], max_tokens: int = 64, *, sampling: SamplingParams | None = None,
         stop: Sequence[str] | str | None = None, stop_at_end: bool = True, special: bool = False,
