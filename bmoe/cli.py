@@ -271,7 +271,22 @@ def _tiny_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_make_tiny)
 
 
+def _warn_ignored(args: argparse.Namespace) -> None:
+    """Say so when a flag given does nothing in the chosen mode, rather than ignoring it silently."""
+    if args.mode != "resident" or getattr(args, "quiet", False):
+        return
+    given = [flag for flag, on in (
+        ("--cache-mb", args.cache_mb != 0), ("--cache-ceil-mb", args.cache_ceil_mb is not None),
+        ("--io-threads", args.io_threads != 2), ("--no-odirect", args.no_odirect),
+        ("--open-mode", args.open_mode != "auto"),
+    ) if on]
+    if given:
+        print(f"bmoe: warning: {', '.join(given)} {'does' if len(given) == 1 else 'do'} nothing with --resident "
+              "(nothing is streamed)", file=sys.stderr)
+
+
 def _config(args: argparse.Namespace) -> RunConfig:
+    _warn_ignored(args)
     return RunConfig(
         mode=args.mode,
         io_threads=args.io_threads,
