@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import importlib
 import json
+import math
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -41,13 +44,13 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
                        formatter_class=_Help)
     p.add_argument("-m", "--model", type=Path, required=True, help="GGUF file (shard 1 of a split set)")
     _prompt_flags(p)
-    p.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate")
+    p.add_argument("-n", "--n-predict", type=_tokens, default=64, help="tokens to generate")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--stream", dest="mode", action="store_const", const="stream",
                       help="read routed experts from disk on demand (default)")
     mode.add_argument("--resident", dest="mode", action="store_const", const="resident",
                       help="plain llama.cpp: the whole file mapped, nothing streamed")
-    p.add_argument("--io-threads", type=int, default=2, help="I/O lanes for expert reads")
+    p.add_argument("--io-threads", type=_io_threads, default=2, help="I/O lanes for expert reads")
     p.add_argument("--no-odirect", action="store_true", help="buffered reads instead of O_DIRECT")
     _common_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -121,22 +124,49 @@ def _sampling(args: argparse.Namespace):  # noqa: ANN202 - a bmoe.engine.samplin
     )
 
 
+def _number(kind: type, lo: float, hi: float, what: str):  # noqa: ANN202 - an argparse type
+    """An argparse type: a finite ``kind`` in [lo, hi], refused at parse time otherwise (``nan``,
+    ``inf`` and ``1e308`` used to reach the run and end in a traceback)."""
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except (ValueError, OverflowError):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not math.isfinite(value) or not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"expected {what} from {lo:g} to {hi:g}, got {text!r}")
+        return value
+
+    parse.__name__ = what  # argparse names the type in its messages
+    return parse
+
+
+MAX_MIB = float(1 << 30)  # 1 PiB: beyond any machine; bounds the bytes computed from a budget
+_mib = _number(float, 0, MAX_MIB, "a number of MiB")
+_tokens = _number(int, 1, 1 << 20, "a number of tokens")
+_ctx = _number(int, 16, 1 << 20, "a context length")
+_threads = _number(int, 1, 512, "a thread count")
+_io_threads = _number(int, 1, 64, "a number of I/O lanes")
+_layers_ahead = _number(int, 0, 64, "a number of layers")
+
+
 def _cache_mb(text: str) -> float | None:
     if text == "auto":
         return None
     try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of MiB or 'auto', got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError("the cache budget cannot be negative")
-    return value
+        return _mib(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a number of MiB (0 to {MAX_MIB:g}) or 'auto', got {text!r}") from None
 
 
 def _common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-mb", type=_cache_mb, default=0.0,
                    help="expert cache budget in MiB, or 'auto' (0 = off: every routed expert read)")
-    p.add_argument("--cache-ceil-mb", type=float, default=None, help="upper bound for the budget")
+    p.add_argument("--cache-ceil-mb", type=_mib, default=None, help="upper bound for the budget")
+    p.add_argument("--force", action="store_true",
+                   help="run a --cache-mb that the memory model says cannot fit (warned, not refused)")
+    p.add_argument("--no-pressure-guard", action="store_true",
+                   help="keep the budget fixed while running (default: shrink it under memory pressure)")
     p.add_argument("--dense-weights", choices=("mmap", "anon"), default="mmap",
                    help="anon: copy dense weights into anonymous memory (safe from page-cache churn)")
     p.add_argument("--open-mode", choices=("auto", "user", "mmap", "mmap-drop"), default="auto",
@@ -144,19 +174,19 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--route-trace", default=None, help="write every routing decision to this file")
     p.add_argument("--overlap", action="store_true",
                    help="read later projections while earlier expert matmuls compute (lossless)")
-    p.add_argument("--prefetch", type=int, default=0, metavar="K",
+    p.add_argument("--prefetch", type=_layers_ahead, default=0, metavar="K",
                    help="read the previous token's experts of the next K layers ahead (needs a cache)")
     p.add_argument("--predict-prefetch", action="store_true",
                    help="predict the next layer's experts with its router and read them ahead (needs a cache)")
-    p.add_argument("-t", "--threads", type=int, default=None, help="compute threads")
-    p.add_argument("-c", "--ctx", type=int, default=2048, help="context length")
+    p.add_argument("-t", "--threads", type=_threads, default=None, help="compute threads")
+    p.add_argument("-c", "--ctx", type=_ctx, default=2048, help="context length")
 
 
 def _chat_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="interactive multi-turn chat; the expert cache stays warm",
                        formatter_class=_Help)
     p.add_argument("-m", "--model", type=Path, required=True, help="GGUF file (shard 1 of a split set)")
-    p.add_argument("-n", "--n-predict", type=int, default=256, help="most tokens per reply")
+    p.add_argument("-n", "--n-predict", type=_tokens, default=256, help="most tokens per reply")
     p.add_argument("--system", default=None, help="system message")
     p.add_argument("--no-think", action="store_true",
                    help="ask a thinking model to answer without reasoning first (enable_thinking=false)")
@@ -165,7 +195,7 @@ def _chat_parser(sub: argparse._SubParsersAction) -> None:
                       help="read routed experts from disk on demand (default)")
     mode.add_argument("--resident", dest="mode", action="store_const", const="resident",
                       help="plain llama.cpp: the whole file mapped, nothing streamed")
-    p.add_argument("--io-threads", type=int, default=2, help="I/O lanes for expert reads")
+    p.add_argument("--io-threads", type=_io_threads, default=2, help="I/O lanes for expert reads")
     p.add_argument("--no-odirect", action="store_true", help="buffered reads instead of O_DIRECT")
     _common_flags(p)
     _sampling_flags(p)
@@ -228,10 +258,14 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", type=lambda s: s.split(","), default=["default"], help="e.g. lru,default,opt")
     p.add_argument("--io", choices=("real", "sim"), default=None,
                    help="real reads from -m, or reads modelled from a probe of this disk (default: real with -m)")
-    p.add_argument("--io-threads", type=int, default=2)
+    p.add_argument("--timing", choices=("model", "measure"), default=None,
+                   help="model: compute hits, bytes and time without sleeping (seconds per sweep; the "
+                        "default for --io sim); measure: run the stages in modelled real time (--io real"
+                        " always measures)")
+    p.add_argument("--io-threads", type=_io_threads, default=2)
     p.add_argument("--overlap", type=lambda s: s.split(","), default=["none"],
                    help="none,tensor,expert: modelled overlap of reads with the expert matmuls")
-    p.add_argument("--compute-ms-per-layer", type=float, default=1.0,
+    p.add_argument("--compute-ms-per-layer", type=_number(float, 0, 1e6, "milliseconds"), default=1.0,
                    help="modelled compute per layer when the trace has no timings")
     p.add_argument("--json", action="store_true")
     p.add_argument("--csv", type=Path, default=None)
@@ -241,17 +275,18 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
 
 def _mb_list(text: str) -> list[float]:
     try:
-        values = [float(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected MiB values like 500,1000, got {text!r}") from None
-    if any(v < 0 for v in values):
-        raise argparse.ArgumentTypeError("budgets cannot be negative")
+        values = [_mib(x) for x in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected MiB values (0 to {MAX_MIB:g}) like 500,1000, got {text!r}") from None
+    if len(values) > 1000:
+        raise argparse.ArgumentTypeError(f"at most 1000 budgets, got {len(values)}")
     return values
 
 
 def _demo_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="make a synthetic MoE once, run it resident and streamed")
-    p.add_argument("-n", "--n-predict", type=int, default=32)
+    p.add_argument("-n", "--n-predict", type=_tokens, default=32)
     p.add_argument("--dir", type=Path, default=None, help="where to keep the demo model")
     p.set_defaults(func=_cmd_demo)
 
@@ -259,15 +294,19 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
 def _tiny_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-tiny", help="write a small random MoE GGUF (tests, measurements)")
     p.add_argument("out", type=Path)
-    p.add_argument("--arch", default="qwen3moe", choices=("qwen3moe", "qwen2moe", "gemma4"))
+    # Checked by TinySpec.validate, which names the choices (bmoe --list-archs).
+    p.add_argument("--arch", default="qwen3moe")
     p.add_argument("--type", dest="wtype", default="f32", choices=("f32", "f16", "q8_0"))
-    p.add_argument("--shards", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--embd", type=int, default=128)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--used", type=int, default=2)
-    p.add_argument("--ff", type=int, default=64)
+    p.add_argument("--shards", type=_number(int, 1, 10_000, "a shard count"), default=1)
+    p.add_argument("--seed", type=_number(int, 0, 2**32 - 1, "a seed"), default=0)
+    p.add_argument("--layers", type=_number(int, 1, 512, "a layer count"), default=None,
+                   help="main blocks (default: the arch's, 2 for most)")
+    p.add_argument("--mtp", type=_number(int, 0, 8, "an MTP block count"), default=0,
+                   help="MTP blocks after them (archs that have them)")
+    p.add_argument("--embd", type=_number(int, 16, 16384, "an embedding width"), default=128)
+    p.add_argument("--experts", type=_number(int, 1, 1024, "an expert count"), default=8)
+    p.add_argument("--used", type=_number(int, 1, 1024, "an expert count"), default=2)
+    p.add_argument("--ff", type=_number(int, 1, 65536, "a feed-forward width"), default=64)
     p.set_defaults(func=_cmd_make_tiny)
 
 
@@ -295,6 +334,8 @@ def _config(args: argparse.Namespace) -> RunConfig:
         n_ctx=args.ctx,
         cache_bytes=None if args.cache_mb is None else int(args.cache_mb * MiB),
         cache_ceiling_bytes=None if args.cache_ceil_mb is None else int(args.cache_ceil_mb * MiB),
+        force_cache=args.force,
+        pressure_guard=not args.no_pressure_guard,
         dense_weights=args.dense_weights,
         open_mode=args.open_mode,
         route_trace=args.route_trace,
@@ -309,6 +350,7 @@ async def _generate(model: Path, config: RunConfig, prompt: str, n: int, *, echo
                     stop: list[str] | None = None, quiet: bool = False) -> dict:
     from bmoe.engine.session import Session
     from bmoe.metrics.sinks import CsvSink, ProgressSink
+    from bmoe.metrics.tokens import peak_rss_bytes
 
     with Session.open(model, config) as session:
         for warning in () if quiet else session.warnings:
@@ -321,47 +363,67 @@ async def _generate(model: Path, config: RunConfig, prompt: str, n: int, *, echo
         bar = _token_bar(n) if echo and not progress and not sys.stdout.isatty() and sys.stderr.isatty() else None
         tokens: list[int] = []
         parts: list[str] = []
-        async with asyncio.TaskGroup() as tg:
-            for sink in sinks:
-                tg.create_task(sink.run())
-            try:
-                finish = usage = None
-                async for piece in session.stream(prompt, n, sampling=sampling, stop=stop):
-                    if piece.finish_reason is not None:
-                        finish, usage = piece.finish_reason, piece.usage
-                    if piece.token is not None:
-                        tokens.append(piece.token)
-                    parts.append(piece.text)
-                    if piece.metrics is not None:
-                        for sink in sinks:
-                            sink.add(piece.metrics)
-                    if echo:
-                        sys.stdout.write(piece.text)
-                        sys.stdout.flush()
-                    if bar is not None:
-                        bar.update(1)
-                stats = session.last_stats
-                assert stats is not None
-                result = {
-                    "text": "".join(parts),
-                    "tokens": tokens,
-                    "n_tokens": len(tokens),
-                    "finish_reason": finish,
-                    "prompt_tokens_evaluated": usage.prompt_evaluated if usage is not None else None,
-                    "io_fallback_reason": session.io_fallback_reason,
-                    "budget_how": session.budget_how,
-                    "open_reason": session.open_reason,
-                    **stats.as_dict(),
-                }
-                for sink in sinks:
-                    if isinstance(sink, CsvSink):
-                        sink.summary({k: v for k, v in result.items() if k not in ("text", "tokens")})
-            finally:
+        # The writers are owned here, not by a task group: a signal or an error cancels the
+        # generation, and the lines queued so far (and the summary) must still reach the files.
+        writers = [asyncio.ensure_future(sink.run()) for sink in sinks]
+        result: dict = {}
+        finish = usage = None
+        try:
+            async for piece in session.stream(prompt, n, sampling=sampling, stop=stop):
+                if piece.finish_reason is not None:
+                    finish, usage = piece.finish_reason, piece.usage
+                if piece.token is not None:
+                    tokens.append(piece.token)
+                parts.append(piece.text)
+                if piece.metrics is not None:
+                    for sink in sinks:
+                        sink.add(piece.metrics)
+                if echo:
+                    sys.stdout.write(piece.text)
+                    sys.stdout.flush()
                 if bar is not None:
-                    bar.close()
-                for sink in sinks:
-                    sink.close()
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+            stats = session.last_stats
+            result = {
+                "text": "".join(parts),
+                "tokens": tokens,
+                "n_tokens": len(tokens),
+                "finish_reason": finish,
+                "prompt_tokens_evaluated": usage.prompt_evaluated if usage is not None else None,
+                "io_fallback_reason": session.io_fallback_reason,
+                "budget_how": session.budget_how,
+                "open_reason": session.open_reason,
+                **(stats.as_dict() if stats is not None else {}),
+                "peak_rss_bytes": peak_rss_bytes(),
+            }
+            for sink in sinks:
+                if isinstance(sink, CsvSink):
+                    sink.summary({k: v for k, v in result.items() if k not in ("text", "tokens")})
+                sink.close()
+            await _drain(writers)
         return result
+
+
+async def _drain(writers: list[asyncio.Future]) -> None:
+    """Wait for the sink writers to write what was queued, even while being cancelled; a write
+    error (a full disk) is raised once they have all stopped."""
+    if not writers:
+        return
+    done = asyncio.gather(*writers, return_exceptions=True)
+    cancelled = False
+    while not done.done():
+        try:
+            await asyncio.shield(done)
+        except asyncio.CancelledError:
+            cancelled = True
+    errors = [r for r in done.result() if isinstance(r, BaseException)]
+    if errors:
+        raise errors[0]
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 def _token_bar(total: int):  # noqa: ANN202 - a tqdm bar for long runs whose text goes to a file
@@ -405,9 +467,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     _check_outputs(args, _model_files(args.model), "--csv", "--route-trace")
     config = _config(args)
     sampling = _sampling(args)
-    result = run_async(_generate(args.model, config, _prompt(args), args.n_predict, echo=not args.json,
-                                  progress=args.progress, csv_path=args.csv, sampling=sampling, stop=args.stop,
-                                  quiet=args.quiet))
+    result = _run(_generate(args.model, config, _prompt_text(_prompt(args)), args.n_predict, echo=not args.json,
+                            progress=args.progress, csv_path=args.csv, sampling=sampling, stop=args.stop,
+                            quiet=args.quiet))
     if args.json:
         print(json.dumps(result))
     else:
@@ -431,8 +493,6 @@ async def _chat(model: Path, config: RunConfig, system: str | None, n: int, *, s
     """The interactive chat. Line editing and history (prompt_toolkit) when standard input is a
     terminal, plain lines otherwise; prompts go to stderr when standard output is not a terminal,
     so a redirected transcript holds only the replies."""
-    import signal
-
     from bmoe.engine.chat import Message
     from bmoe.engine.session import Session
     from bmoe.engine.thinking import ThinkSplitter
@@ -449,7 +509,6 @@ async def _chat(model: Path, config: RunConfig, system: str | None, n: int, *, s
         history = list(start)
         read_line = _line_reader()
         totals = {"replies": 0, "tokens": 0, "prompt": 0, "reused": 0}
-        loop = asyncio.get_running_loop()
         while True:
             try:
                 line = await read_line("> ")
@@ -479,11 +538,11 @@ async def _chat(model: Path, config: RunConfig, system: str | None, n: int, *, s
                 else:
                     print(f"unknown command {command}; /help lists them", file=sys.stderr)
                 continue
-            history.append(Message("user", line))
+            history.append(Message("user", _prompt_text(line)))
             prompt = _fit(session, fmt, history, n, {"enable_thinking": think})
             split = ThinkSplitter(prompt)
             parts: list[str] = []
-            loop.add_signal_handler(signal.SIGINT, session.cancel)  # Ctrl-C ends this reply only
+            _SIGINT_TAKEN_BY.append(session.cancel)  # Ctrl-C ends this reply only
             try:
                 async for piece in session.stream(prompt, n, special=True, sampling=sampling, stop=stop):
                     reasoning, answer = split.feed(piece.text)
@@ -503,7 +562,7 @@ async def _chat(model: Path, config: RunConfig, system: str | None, n: int, *, s
                         if piece.finish_reason == "cancelled":
                             sys.stdout.write(" [stopped]")
             finally:
-                loop.remove_signal_handler(signal.SIGINT)
+                _SIGINT_TAKEN_BY.remove(session.cancel)
             print()
             history.append(Message("assistant", "".join(parts)))
             stats = session.last_stats
@@ -566,15 +625,18 @@ def _fit(session, fmt, history, n: int, template_kwargs: dict | None = None) -> 
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="surrogateescape")  # bytes that are not UTF-8 reach _prompt_text
     _check_outputs(args, _model_files(args.model), "--route-trace")
     config, sampling = _config(args), _sampling(args)
-    run_async(_chat(args.model, config, args.system, args.n_predict, sampling=sampling, stop=args.stop,
-                    quiet=args.quiet, think=not args.no_think))
+    _run(_chat(args.model, config, args.system, args.n_predict, sampling=sampling, stop=args.stop,
+               quiet=args.quiet, think=not args.no_think))
     return 0
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from bmoe.engine.replay import OVERLAP_MODES, ComputeModel, replay
+    from bmoe.engine.replay import OVERLAP_MODES, ComputeModel, model_replay, replay
+    from bmoe.io.probe import cached_probe
     from bmoe.io.validate import open_layout
     from bmoe.pipeline.trace import read_trace
 
@@ -584,6 +646,9 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         raise ConfigError("--io real reads the model's bytes: give it with -m MODEL (or use --io sim)")
     if not 1 <= args.io_threads <= 64:
         raise ConfigError(f"--io-threads must be 1..64, got {args.io_threads}")
+    timing = args.timing or ("model" if io == "sim" else "measure")
+    if timing == "model" and io == "real":
+        raise ConfigError("--timing model computes the reads' time: use it with --io sim (--io real measures)")
     trace = read_trace(args.trace)
     layout = open_layout(args.model) if io == "real" else None
     compute = ComputeModel(trace.timing, args.compute_ms_per_layer / 1e3)
@@ -591,18 +656,28 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     if bad:
         raise ConfigError(f"--overlap takes {', '.join(OVERLAP_MODES)}; got {', '.join(bad)}")
     results = []
+    probe = None
+    if timing == "model":
+        probe = cached_probe(args.trace.resolve().parent, max(trace.expert_bytes.values(), default=0) or 4096,
+                             args.io_threads)
     for overlap in args.overlap:
         for policy in args.policy:
             for mb in args.cache_mb:
-                r = run_async(replay(trace, budget_bytes=int(mb * MiB), policy=policy, compute=compute,
-                                      io_threads=args.io_threads, model=layout, overlap=overlap,
-                                      sim_dir=args.trace.resolve().parent))
+                if probe is not None:
+                    r = model_replay(trace, budget_bytes=int(mb * MiB), policy=policy, compute=compute,
+                                     probe=probe, io_threads=args.io_threads, overlap=overlap)
+                else:
+                    r = _run(replay(trace, budget_bytes=int(mb * MiB), policy=policy, compute=compute,
+                                          io_threads=args.io_threads, model=layout, overlap=overlap,
+                                          sim_dir=args.trace.resolve().parent))
                 results.append(r.as_dict())
                 if not args.json:
                     print(_replay_row(r.as_dict()), flush=True)
+    clock = ("the modelled decode time (no sleeps)" if timing == "model"
+             else "the replay's decode wall time")
     how = (f"compute: {compute.describe()}; reads: {results[0]['io'] if results else io}; hit % = hits / "
-           "(hits + experts read) per layer event, decode phase and all phases; tok/s = decode tokens "
-           "over the replay's decode wall time")
+           f"(hits + experts read) per layer event, decode phase and all phases; tok/s = decode tokens "
+           f"over {clock}")
     if args.csv is not None:
         _write_rows(args.csv, results)
     if args.plot is not None:
@@ -663,7 +738,8 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
 
     spec = TinySpec(arch=args.arch, wtype=args.wtype, n_layer=args.layers, n_embd=args.embd,
                     n_expert=args.experts, n_expert_used=args.used, n_ff=args.ff, seed=args.seed,
-                    shards=args.shards)
+                    shards=args.shards, n_nextn=args.mtp)
+    spec.validate()  # a bad spec is one line, before any progress bar
     paths = _write_with_progress(args.out, spec)
     print(paths[0])
     return 0
@@ -674,12 +750,18 @@ def _write_with_progress(out: Path, spec) -> list[Path]:  # noqa: ANN001
 
     from bmoe.synth.tiny import write_tiny
 
-    with tqdm(total=None, unit="B", unit_scale=True, desc=f"writing {out.name}", file=sys.stderr) as bar:
+    with tqdm(total=None, unit="B", unit_scale=True, desc=f"writing {out.name}", file=sys.stderr,
+              disable=not sys.stderr.isatty()) as bar:
         def progress(done: int, total: int) -> None:
             bar.total = total
             bar.update(done - bar.n)
 
-        return write_tiny(out, spec, progress)
+        try:
+            return write_tiny(out, spec, progress)
+        except OSError as e:
+            if e.filename is None:
+                e.filename = str(out)  # a failed write says where it was going
+            raise
 
 
 def _demo_dir(arg: Path | None) -> Path:
@@ -712,7 +794,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         "streamed, cache auto": RunConfig(mode="stream", cache_bytes=None),
     }
     for name, config in runs.items():
-        r = run_async(_generate(model, config.validate(), DEMO_PROMPT, args.n_predict, echo=False))
+        r = _run(_generate(model, config.validate(), DEMO_PROMPT, args.n_predict, echo=False))
         results[name] = r
         print(f"{name}: {r['text']!r}")
         print(f"    {_summary(r)}")
@@ -729,10 +811,26 @@ _LAZY = {
               "measure resident, mmap and streamed runs of one model side by side"),
     "synth": ("bmoe.synth.big", "add_synth_command",
               "write a random MoE GGUF with a real model's shapes (fast, any size)"),
+    "inspect": ("bmoe.inspect", "add_inspect_command",
+                "what a model is and how it would run here, from its index alone"),
     # The parser is light and lives here (it shares the run flags); starlette, uvicorn and the
     # server package are imported by _cmd_serve only.
     "serve": ("bmoe.cli", "_serve_parser", "an OpenAI-compatible HTTP server (chat and text completions)"),
 }
+
+
+class _ListArchs(argparse.Action):
+    """``--list-archs``: print the supported architectures and exit, whatever else is given."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kw: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the supported architectures and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        from bmoe.inspect import list_archs
+
+        print(list_archs())
+        parser.exit()
 
 
 def _lazy_parsers(sub: argparse._SubParsersAction, argv: list[str]) -> None:
@@ -742,6 +840,13 @@ def _lazy_parsers(sub: argparse._SubParsersAction, argv: list[str]) -> None:
             getattr(importlib.import_module(module), register)(sub)
         else:
             sub.add_parser(name, help=help_, add_help=False)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its usage errors as one line (status 2, argparse's own convention)."""
+
+    def error(self, message: str):  # noqa: ANN201 - NoReturn
+        self.exit(2, f"bmoe: error: {self.prog}: {message}\n")
 
 
 def _version() -> str:
@@ -757,7 +862,8 @@ def _version() -> str:
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bmoe", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="bmoe", description=__doc__.splitlines()[0])
+    parser.add_argument("--list-archs", action=_ListArchs)
     parser.add_argument("--version", action="version", version=_version())
     _verbosity_flags(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -778,37 +884,128 @@ def _apply_verbosity(args: argparse.Namespace) -> None:
         set_llama_log(True)
 
 
-def _stdout_gone() -> int:
-    """stdout was closed under us (``| head``): end quietly with the status a SIGPIPE death gives,
-    pointing stdout at /dev/null so the interpreter's final flush cannot fail again."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
-    return 141
+class Interrupted(Exception):
+    """A run stopped by SIGINT, SIGTERM or SIGHUP after its sinks were flushed and closed."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# While set (the chat's reply in progress), Ctrl-C calls this instead of stopping the command.
+_SIGINT_TAKEN_BY: list = []
+
+
+def _run(coro):  # noqa: ANN001, ANN202 - run_async with the stop signals handled
+    return run_async(_interruptible(coro))
+
+
+async def _interruptible(coro):  # noqa: ANN001, ANN202
+    """Run ``coro``; the first SIGINT, SIGTERM or SIGHUP cancels it (the decode stops at the next
+    graph node, the sinks are flushed and closed) and ends as ``Interrupted``; a second one ends
+    the process at once, even if a native call never returns."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    got: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        if signum == signal.SIGINT and _SIGINT_TAKEN_BY and not got:
+            _SIGINT_TAKEN_BY[-1]()
+            return
+        if got:
+            os._exit(128 + got[0])
+        got.append(signum)
+        task.cancel()
+
+    installed = []
+    for sig in _STOP_SIGNALS:
+        try:
+            loop.add_signal_handler(sig, on_signal, sig)
+            installed.append(sig)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
+            pass
+    try:
+        return await coro
+    except asyncio.CancelledError:
+        if got:
+            raise Interrupted(got[0]) from None
+        raise
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+        if got:
+            raise Interrupted(got[0])
+
+
+def _prompt_text(text: str) -> str:
+    """A prompt from the command line as valid text: bytes that are not UTF-8 (which Python keeps as
+    lone surrogates) become U+FFFD, with a warning, instead of failing inside the tokenizer."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        print("bmoe: warning: the prompt is not valid UTF-8; invalid bytes replaced by U+FFFD", file=sys.stderr)
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's last flush cannot fail a second time."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
+def _os_error_line(exc: OSError) -> str:
+    where = f"{exc.filename}: " if exc.filename is not None else "writing the output: "
+    return f"{where}{exc.strerror or exc}"
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
-    _apply_verbosity(args)
     try:
-        return args.func(args)
-    except BrokenPipeError:
-        return _stdout_gone()
+        args = build_parser(argv).parse_args(argv)
+        _apply_verbosity(args)
+        status = args.func(args)
+        sys.stdout.flush()  # here, where a full disk or a closed pipe can still be reported
+        return status
     except BaseExceptionGroup as group:  # the CLI's own task groups (sinks beside a generation)
         exc = first_error(group)
-        if isinstance(exc, BrokenPipeError):
-            return _stdout_gone()
-        if not isinstance(exc, BmoeError):
-            raise
-        print(f"bmoe: error: {exc}", file=sys.stderr)
-        return 1
-    except BmoeError as exc:
-        print(f"bmoe: error: {exc}", file=sys.stderr)
-        return 1
+        if isinstance(exc, Exception):
+            return _fail(exc)
+        raise
+    except Exception as exc:  # noqa: BLE001 - the last line of defence: one line, never a traceback
+        return _fail(exc)
     except KeyboardInterrupt:
         print("bmoe: interrupted", file=sys.stderr)
-        return 130
+        return 128 + signal.SIGINT
+
+
+def _fail(exc: Exception) -> int:
+    if isinstance(exc, Interrupted):
+        print(f"bmoe: interrupted by {exc}; the output written so far is complete", file=sys.stderr)
+        return 128 + exc.signum
+    if isinstance(exc, BrokenPipeError) or (isinstance(exc, OSError) and exc.errno == errno.EPIPE):
+        _quiet_stdout()  # a reader that went away (| head): quiet, with the status of SIGPIPE
+        return 128 + signal.SIGPIPE
+    if isinstance(exc, BmoeError):
+        line = str(exc)
+    elif isinstance(exc, OSError):
+        line = _os_error_line(exc)
+        if exc.filename is None:
+            _quiet_stdout()
+    elif isinstance(exc, MemoryError):
+        line = "out of memory"
+    else:
+        if os.environ.get("BMOE_DEBUG"):
+            raise exc
+        line = f"internal error: {type(exc).__name__}: {exc} (BMOE_DEBUG=1 shows where; please report it)"
+    print(f"bmoe: error: {line}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

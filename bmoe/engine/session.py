@@ -22,6 +22,7 @@ import numpy as np
 
 from bmoe.engine.callback import Capture, Consumption, EvalCallback
 from bmoe.engine.config import RunConfig
+from bmoe.engine.isolate import check_first_open
 from bmoe.engine.loader import OpenedModel, capture_weights, open_model
 from bmoe.engine.sampling import GREEDY, Sampler, SamplingParams, TokenLogprob, logprobs_of
 from bmoe.engine.seam import LlamaModel
@@ -47,6 +48,7 @@ from bmoe.metrics.tokens import ProcessSample, TokenMetrics, rss_bytes
 from bmoe.pipeline.events import PHASE_DECODE, PHASE_PREFILL
 from bmoe.pipeline.gate import RoutingGate
 from bmoe.pipeline.hooks import Hooks
+from bmoe.pipeline.pressure import PressureGuard
 from bmoe.stages.compute import ComputeStage
 from bmoe.stages.dense import AnonDense
 from bmoe.stages.predict import Predictor, load_routers
@@ -146,6 +148,7 @@ class Session:
         config = (config or RunConfig()).validate()
         io_before = read_io_bytes()
         layout = open_layout(path)
+        check_first_open(layout)  # a child loads a file not seen before: a llama.cpp abort kills it, not us
         if config.route_trace is not None:
             check_output(config.route_trace, "route_trace", layout.shards)
         streaming = config.mode == "stream"
@@ -164,7 +167,8 @@ class Session:
                 check_live_tensor(next(iter(tensors.values())))
                 if opened.open_mode == "mmap-drop":
                     release_file_pages(layout, mapping_spans(layout, tensors))
-                streamer = Streamer.live(layout, tensors, config, callback.gate, hooks or Hooks())
+                streamer = Streamer.live(layout, tensors, config, callback.gate, hooks or Hooks(),
+                                         dense_in_file=opened.open_mode != "user", n_batch=model.n_batch)
                 if config.overlap:
                     _plan_overlap(model, callback, layout, tensors, streamer)
                 if config.predict_prefetch:
@@ -452,6 +456,9 @@ class Session:
         if end is not None and start is not None:
             stats.add_counters(end - start)
             stats.resident_cache_bytes = self.resident_cache_bytes
+            stats.budget_bytes_end = self.budget_bytes
+            moves = self._streaming.budget_changes  # type: ignore[union-attr]
+            stats.budget_changes = [c.as_dict() for c in moves[len(moves) - (end - start).budget_changes:]]
             predictor = self._streaming.prefetch.predictor if self._streaming else None
             if predictor is not None:
                 stats.predict_accuracy_pct = predictor.accuracy_pct()
@@ -501,6 +508,7 @@ class Session:
             cpu_ms=(m.after.cpu_s - m.before.cpu_s) * 1e3,
             rss_bytes=rss_bytes(),
             resident_cache_bytes=self.resident_cache_bytes,
+            budget_bytes=self.budget_bytes,
         )
 
     @property
@@ -537,7 +545,12 @@ class Session:
             raise BmoeError("cannot change the cache budget while generating")
         if self._streaming is None:
             raise ConfigError("a resident session has no expert cache")
-        self._streaming.prefetch.evict(self._streaming.cache.set_budget(budget_bytes))
+        self._streaming.set_budget(budget_bytes)
+
+    @property
+    def pressure_guard(self) -> PressureGuard | None:
+        """The guard that moves the cache budget under memory pressure (None: no cache, or off)."""
+        return self._streaming.guard if self._streaming else None
 
     def close(self) -> None:
         """Restore every rebound pointer before the memory behind it goes, then free the model.
