@@ -596,7 +596,8 @@ def _line_reader():  # noqa: ANN202 - async (prompt) -> line; raises EOFError / 
         ps = PromptSession(history=InMemoryHistory(), output=create_output(stdout=prompt_to))
 
         async def edited(prompt: str) -> str:
-            return await ps.prompt_async(prompt)
+            # Ctrl-C at the prompt is a key in raw mode; leave the runner's SIGINT handler alone
+            return await ps.prompt_async(prompt, handle_sigint=False)
 
         return edited
 
