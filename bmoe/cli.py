@@ -188,6 +188,8 @@ def _chat_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-m", "--model", type=Path, required=True, help="GGUF file (shard 1 of a split set)")
     p.add_argument("-n", "--n-predict", type=_tokens, default=256, help="most tokens per reply")
     p.add_argument("--system", default=None, help="system message")
+    p.add_argument("--no-think", action="store_true",
+                   help="ask a thinking model to answer without reasoning first (enable_thinking=false)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--stream", dest="mode", action="store_const", const="stream",
                       help="read routed experts from disk on demand (default)")
@@ -308,7 +310,22 @@ def _tiny_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_make_tiny)
 
 
+def _warn_ignored(args: argparse.Namespace) -> None:
+    """Say so when a flag given does nothing in the chosen mode, rather than ignoring it silently."""
+    if args.mode != "resident" or getattr(args, "quiet", False):
+        return
+    given = [flag for flag, on in (
+        ("--cache-mb", args.cache_mb != 0), ("--cache-ceil-mb", args.cache_ceil_mb is not None),
+        ("--io-threads", args.io_threads != 2), ("--no-odirect", args.no_odirect),
+        ("--open-mode", args.open_mode != "auto"),
+    ) if on]
+    if given:
+        print(f"bmoe: warning: {', '.join(given)} {'does' if len(given) == 1 else 'do'} nothing with --resident "
+              "(nothing is streamed)", file=sys.stderr)
+
+
 def _config(args: argparse.Namespace) -> RunConfig:
+    _warn_ignored(args)
     return RunConfig(
         mode=args.mode,
         io_threads=args.io_threads,
@@ -466,24 +483,25 @@ CHAT_HELP = """commands:
   /help     this list
   /reset    forget the conversation (the system message stays)
   /stats    what the last reply measured, and the session's totals
+  /think on|off   let a thinking model reason first (shown dimmed), or not
   /exit     leave (so does Ctrl-D)
 Ctrl-C stops a reply and keeps the conversation; at the prompt it clears the line."""
 
 
 async def _chat(model: Path, config: RunConfig, system: str | None, n: int, *, sampling=None,  # noqa: ANN001
-                stop: list[str] | None = None, quiet: bool = False) -> None:
+                stop: list[str] | None = None, quiet: bool = False, think: bool = True) -> None:
     """The interactive chat. Line editing and history (prompt_toolkit) when standard input is a
     terminal, plain lines otherwise; prompts go to stderr when standard output is not a terminal,
     so a redirected transcript holds only the replies."""
-    import signal
-
-    from bmoe.engine.chat import ChatFormat, Message
+    from bmoe.engine.chat import Message
     from bmoe.engine.session import Session
+    from bmoe.engine.thinking import ThinkSplitter
 
     with Session.open(model, config) as session:
         for warning in session.warnings:
             print(f"bmoe: warning: {warning}", file=sys.stderr)
-        fmt = ChatFormat(session.chat_template())
+        fmt = session.chat_format()
+        dim = ("\x1b[2m", "\x1b[0m") if sys.stdout.isatty() else None  # reasoning: dimmed, or left out
         if not quiet:
             print(f"bmoe chat: {model.name}, {fmt.description}. /help lists commands; Ctrl-D leaves.",
                   file=sys.stderr)
@@ -491,7 +509,6 @@ async def _chat(model: Path, config: RunConfig, system: str | None, n: int, *, s
         history = list(start)
         read_line = _line_reader()
         totals = {"replies": 0, "tokens": 0, "prompt": 0, "reused": 0}
-        loop = asyncio.get_running_loop()
         while True:
             try:
                 line = await read_line("> ")
@@ -514,17 +531,28 @@ async def _chat(model: Path, config: RunConfig, system: str | None, n: int, *, s
                     print("conversation cleared", file=sys.stderr)
                 elif command == "/stats":
                     print(_chat_stats(session, totals), file=sys.stderr)
+                elif command == "/think" and text.split()[1:] in (["on"], ["off"]):
+                    think = text.split()[1] == "on"
+                    print(f"thinking {'on' if think else 'off'}"
+                          + ("" if fmt.thinks else " (this model's template has no thinking switch)"), file=sys.stderr)
                 else:
                     print(f"unknown command {command}; /help lists them", file=sys.stderr)
                 continue
             history.append(Message("user", _prompt_text(line)))
-            prompt = _fit(session, fmt, history, n)
+            prompt = _fit(session, fmt, history, n, {"enable_thinking": think})
+            split = ThinkSplitter(prompt)
             parts: list[str] = []
-            loop.add_signal_handler(signal.SIGINT, session.cancel)  # Ctrl-C ends this reply only
+            _SIGINT_TAKEN_BY.append(session.cancel)  # Ctrl-C ends this reply only
             try:
                 async for piece in session.stream(prompt, n, special=True, sampling=sampling, stop=stop):
-                    parts.append(piece.text)
-                    sys.stdout.write(piece.text)
+                    reasoning, answer = split.feed(piece.text)
+                    if piece.finish_reason is not None:
+                        r2, a2 = split.flush()
+                        reasoning, answer = reasoning + r2, answer + a2
+                    if reasoning and dim is not None:
+                        sys.stdout.write(dim[0] + reasoning + dim[1])
+                    parts.append(answer)
+                    sys.stdout.write(answer)
                     sys.stdout.flush()
                     if piece.usage is not None:
                         totals["replies"] += 1
@@ -534,7 +562,7 @@ async def _chat(model: Path, config: RunConfig, system: str | None, n: int, *, s
                         if piece.finish_reason == "cancelled":
                             sys.stdout.write(" [stopped]")
             finally:
-                loop.remove_signal_handler(signal.SIGINT)
+                _SIGINT_TAKEN_BY.remove(session.cancel)
             print()
             history.append(Message("assistant", "".join(parts)))
             stats = session.last_stats
@@ -568,7 +596,8 @@ def _line_reader():  # noqa: ANN202 - async (prompt) -> line; raises EOFError / 
         ps = PromptSession(history=InMemoryHistory(), output=create_output(stdout=prompt_to))
 
         async def edited(prompt: str) -> str:
-            return await ps.prompt_async(prompt)
+            # Ctrl-C at the prompt is a key in raw mode; leave the runner's SIGINT handler alone
+            return await ps.prompt_async(prompt, handle_sigint=False)
 
         return edited
 
@@ -583,10 +612,10 @@ def _line_reader():  # noqa: ANN202 - async (prompt) -> line; raises EOFError / 
     return plain
 
 
-def _fit(session, fmt, history, n: int) -> str:  # noqa: ANN001
+def _fit(session, fmt, history, n: int, template_kwargs: dict | None = None) -> str:  # noqa: ANN001
     """Render the conversation, dropping the oldest turns (never the system message) to fit."""
     while True:
-        prompt = fmt.render(history)
+        prompt = fmt.render(history, template_kwargs)
         if len(session.tokenize(prompt, special=True)) + n <= session.n_ctx:
             return prompt
         oldest = next((i for i, m in enumerate(history) if m.role != "system"), None)
@@ -602,7 +631,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     _check_outputs(args, _model_files(args.model), "--route-trace")
     config, sampling = _config(args), _sampling(args)
     _run(_chat(args.model, config, args.system, args.n_predict, sampling=sampling, stop=args.stop,
-               quiet=args.quiet))
+               quiet=args.quiet, think=not args.no_think))
     return 0
 
 
@@ -865,6 +894,8 @@ class Interrupted(Exception):
 
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# While set (the chat's reply in progress), Ctrl-C calls this instead of stopping the command.
+_SIGINT_TAKEN_BY: list = []
 
 
 def _run(coro):  # noqa: ANN001, ANN202 - run_async with the stop signals handled
@@ -881,6 +912,9 @@ async def _interruptible(coro):  # noqa: ANN001, ANN202
     got: list[int] = []
 
     def on_signal(signum: int) -> None:
+        if signum == signal.SIGINT and _SIGINT_TAKEN_BY and not got:
+            _SIGINT_TAKEN_BY[-1]()
+            return
         if got:
             os._exit(128 + got[0])
         got.append(signum)

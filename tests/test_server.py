@@ -233,3 +233,23 @@ def test_bmoe_serve_command(tiny) -> None:
     bad = subprocess.run([sys.executable, "-m", "bmoe.cli", "serve", "-m", str(path.parent / "missing.gguf")],
                          capture_output=True, text=True, timeout=GUARD_S)
     assert bad.returncode == 1 and bad.stderr.startswith("bmoe: error:") and len(bad.stderr.splitlines()) == 1
+
+
+def test_a_chat_longer_than_the_context_is_a_400(served) -> None:
+    url, _ = served
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "word " * 3000}]},
+                   timeout=GUARD_S)
+    assert r.status_code == 400 and "does not fit the context" in r.json()["error"]["message"]
+
+
+def test_reasoning_content_and_template_kwargs_over_http(served) -> None:
+    url, name = served
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=GUARD_S, json={
+        "messages": CHAT, "max_tokens": 30, "temperature": 0.9, "seed": 4,
+        "grammar": 'root ::= "<think>" [a-z]{2,6} "</think>" [a-z]{1,4}',
+        "chat_template_kwargs": {"enable_thinking": True}})
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    assert message["reasoning_content"].isalpha() and message["content"].isalpha()
+    bad = httpx.post(f"{url}/v1/chat/completions", json={"messages": CHAT, "chat_template_kwargs": "x"}, timeout=GUARD_S)
+    assert bad.status_code == 400

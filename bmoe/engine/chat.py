@@ -1,19 +1,26 @@
 """Chat: a conversation rendered to a prompt with the model's own template.
 
-The template comes from the file (``tokenizer.chat_template``) and is rendered by llama.cpp's
-built-in renderer, which recognises the common template families; a file without a template, or
-with one llama.cpp does not recognise, gets a plain "role: content" transcript and says so.
+The template comes from the file (``tokenizer.chat_template``). It is rendered first as what it is,
+a Jinja template (sandboxed, as llama.cpp's ``--jinja`` and llama-cpp-python do), so that template
+switches such as ``enable_thinking`` work; a template that Jinja cannot render falls back to
+llama.cpp's built-in renderer, which recognises the common families by their markers (and ignores
+switches); a file without a template, or one neither can render, gets a plain "role: content"
+transcript and says so.
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cache
+from typing import Any
 
 from bmoe.engine.seam import llama_lib
 
-PLAIN = "plain transcript (the model file has no chat template llama.cpp recognises)"
+PLAIN = "plain transcript (the model file has no chat template that can be rendered)"
+OWN = "the model's own chat template"
+BUILTIN = "the model's own chat template (llama.cpp's built-in renderer)"
 
 
 @dataclass(frozen=True)
@@ -23,22 +30,50 @@ class Message:
 
 
 class ChatFormat:
-    def __init__(self, template: bytes | None) -> None:
+    def __init__(self, template: bytes | None, *, bos: str = "", eos: str = "") -> None:
         self._template = template
+        self._jinja: Any = None
+        self._special = {"bos_token": bos, "eos_token": eos}
         self.description = PLAIN
-        if template is not None and self._apply(template, [Message("user", "hi")]) is not None:
-            self.description = "the model's own chat template"
+        if template is None:
+            return
+        probe = [Message("user", "hi")]
+        self._jinja = _compile(template.decode("utf-8", errors="replace"))
+        if self._jinja is not None and self._render_jinja(probe, {}) is not None:
+            self.description = OWN
+        elif self._apply(template, probe) is not None:
+            self._jinja = None
+            self.description = BUILTIN
         else:
-            self._template = None
+            self._jinja = self._template = None
 
-    def render(self, messages: Sequence[Message]) -> str:
-        """The prompt for the assistant's next turn."""
+    @property
+    def thinks(self) -> bool:
+        """Whether the template knows the ``enable_thinking`` switch (Qwen3 style)."""
+        return self._template is not None and b"enable_thinking" in self._template
+
+    def render(self, messages: Sequence[Message], template_kwargs: Mapping[str, Any] | None = None) -> str:
+        """The prompt for the assistant's next turn. ``template_kwargs`` (``enable_thinking``...)
+        reach a Jinja template; the built-in renderer and the plain transcript ignore them."""
+        if self._jinja is not None:
+            text = self._render_jinja(messages, template_kwargs or {})
+            if text is not None:
+                return text
         if self._template is not None:
             text = self._apply(self._template, messages)
             if text is not None:
                 return text
         lines = [f"{m.role}: {m.content}" for m in messages]
         return "\n".join(lines) + "\nassistant:"
+
+    def _render_jinja(self, messages: Sequence[Message], kwargs: Mapping[str, Any]) -> str | None:
+        try:
+            return self._jinja.render(
+                messages=[{"role": m.role, "content": m.content} for m in messages],
+                add_generation_prompt=True, **self._special, **kwargs,
+            )
+        except Exception:  # noqa: BLE001 - any template error: fall back to the built-in renderer
+            return None
 
     @staticmethod
     def _apply(template: bytes, messages: Sequence[Message]) -> str | None:
@@ -54,4 +89,25 @@ class ChatFormat:
             if n <= size:
                 return buf.raw[:n].decode("utf-8", errors="replace")
             size = n + 1
+        return None
+
+
+@cache
+def _compile(source: str) -> Any:
+    """The template compiled in a sandbox (no attribute access to Python internals), with the
+    helpers chat templates expect; None when it does not even parse."""
+    import datetime
+
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except TemplateError:
         return None

@@ -18,8 +18,9 @@ from contextlib import aclosing
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
-from bmoe.engine.chat import ChatFormat, Message
+from bmoe.engine.chat import Message
 from bmoe.engine.sampling import SamplingParams, TokenLogprob
+from bmoe.engine.thinking import ThinkSplitter
 from bmoe.errors import ConfigError
 
 # ``Session`` and ``Piece`` (bmoe.engine.session) are named in annotations only: session.py imports
@@ -64,6 +65,8 @@ def sampling_from(
 
 
 def _max_tokens(value: int | None, default: int | None, session: Session, n_prompt: int) -> int:
+    if n_prompt >= session.n_ctx:
+        raise ConfigError(f"the prompt ({n_prompt} tokens) does not fit the context ({session.n_ctx} tokens)")
     if value is None:
         value = default if default is not None else session.n_ctx - n_prompt
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -178,16 +181,24 @@ async def completion(
 async def chat_completion(
     session: Session, messages: Any, *, max_tokens: int | None = None, stream: bool = False,
     stop: str | Sequence[str] | None = None, logprobs: bool = False, top_logprobs: int | None = None,
-    model: str | None = None, n: int = 1, **sampling: Any,
+    model: str | None = None, n: int = 1, chat_template_kwargs: Mapping[str, Any] | None = None,
+    **sampling: Any,
 ) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
     """``create_chat_completion``: the conversation rendered with the model's own chat template,
-    answered as a ``chat.completion`` dict or ``chat.completion.chunk`` dicts."""
+    answered as a ``chat.completion`` dict or ``chat.completion.chunk`` dicts.
+
+    ``chat_template_kwargs`` reach the template (``{"enable_thinking": False}``). A reply that
+    thinks in ``<think>...</think>`` has its reasoning in ``reasoning_content`` beside ``content``
+    (message and deltas), as llama-server reports it."""
     if n != 1:
         raise ConfigError(f"n must be 1 (one generation at a time), got {n!r}")
     if not isinstance(logprobs, bool):
         raise ConfigError("logprobs must be true or false for a chat completion")
     params = sampling_from(logprobs=(top_logprobs or 0) if logprobs else None, **sampling)
-    prompt = ChatFormat(session.chat_template()).render(messages_from(messages))
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+        raise ConfigError("chat_template_kwargs must be an object")
+    prompt = session.chat_format().render(messages_from(messages), chat_template_kwargs)
+    split = ThinkSplitter(prompt)
     tokens = session.tokenize(prompt, special=True)
     limit = _max_tokens(max_tokens, None, session, len(tokens))
     ids = _Ids("chatcmpl", model, session)
@@ -213,20 +224,35 @@ async def chat_completion(
             yield chunk({"role": "assistant", "content": ""}, None)
             async with aclosing(pieces):
                 async for piece in _chain(first, pieces):
-                    yield chunk({"content": piece.text} if piece.text or piece.finish_reason is None else {}, piece)
+                    reasoning, answer = split.feed(piece.text)
+                    if piece.finish_reason is not None:
+                        r2, a2 = split.flush()
+                        reasoning, answer = reasoning + r2, answer + a2
+                    delta = {}
+                    if reasoning:
+                        delta["reasoning_content"] = reasoning
+                    if answer or (not reasoning and piece.finish_reason is None):
+                        delta["content"] = answer
+                    yield chunk(delta, piece)
 
         return chunks()
-    parts, content_lps, last = [], [], None
+    parts, thoughts, content_lps, last = [], [], [], None
     async with aclosing(pieces):
         async for piece in pieces:
-            parts.append(piece.text)
+            reasoning, answer = split.feed(piece.text)
+            parts.append(answer)
+            thoughts.append(reasoning)
             if logprobs and piece.logprob is not None:
                 content_lps.append(_chat_logprob(session, piece.logprob))
             last = piece
     assert last is not None
+    reasoning, answer = split.flush()
+    message = {"role": "assistant", "content": "".join(parts) + answer}
+    if any(thoughts) or reasoning:
+        message["reasoning_content"] = "".join(thoughts) + reasoning
     return {
         "id": ids.id, "object": "chat.completion", "created": ids.created, "model": ids.model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
+        "choices": [{"index": 0, "message": message,
                      "logprobs": {"content": content_lps} if logprobs else None,
                      "finish_reason": last.finish_reason}],
         "usage": _usage(last),

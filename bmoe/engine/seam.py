@@ -124,6 +124,15 @@ class LlamaModel:
             raise LlamaCallError(f"token {token} has a piece longer than 256 bytes")
         return self._piece_buf.raw[:n]
 
+    def special_text(self) -> tuple[str, str]:
+        """The text of the BOS and EOS tokens (what a chat template calls ``bos_token`` /
+        ``eos_token``), empty where the vocabulary has none."""
+        out = []
+        for tok in (self._lib.llama_vocab_bos(self.vocab), self._lib.llama_vocab_eos(self.vocab)):
+            text = self._lib.llama_vocab_get_text(self.vocab, tok) if 0 <= tok < self.n_vocab else None
+            out.append(text.decode("utf-8", errors="replace") if text else "")
+        return out[0], out[1]
+
     def chat_template(self) -> bytes | None:
         return self._lib.llama_model_chat_template(self.model, None) or None
 

@@ -80,10 +80,11 @@ class Usage:
 @dataclass(frozen=True)
 class Piece:
     """One generated token and the text it lets through (empty while a possible stop string is
-    held back). The last piece of a generation has ``token`` None, any text still held back (a
-    byte sequence that ended mid-character, a tail that did not become a stop string), and
-    ``finish_reason`` and ``usage``: "stop" (an end-of-generation token or a stop string),
-    "length" (max_tokens reached) or "cancelled" (``cancel()`` / ``close()``)."""
+    held back). The last piece of a generation carries ``finish_reason`` and ``usage`` and any
+    text still held back: "stop" (an end-of-generation token or a stop string), "length"
+    (max_tokens reached) or "cancelled" (``cancel()`` / ``close()``). It is the last token's piece,
+    or, when no token ended the generation (end of generation, cancel), a piece whose ``token`` is
+    None."""
 
     token: int | None
     text: str
@@ -241,12 +242,22 @@ class Session:
     def chat_template(self) -> bytes | None:
         return self._live().chat_template()
 
+    def chat_format(self):  # noqa: ANN201 - a bmoe.engine.chat.ChatFormat
+        """The model's chat template, ready to render a conversation."""
+        from bmoe.engine.chat import ChatFormat
+
+        model = self._live()
+        bos, eos = model.special_text()
+        return ChatFormat(model.chat_template(), bos=bos, eos=eos)
+
     async def stream(
         self, prompt: str | Sequence[int], max_tokens: int = 64, *, sampling: SamplingParams | None = None,
         stop: Sequence[str] | str | None = None, stop_at_end: bool = True, special: bool = False,
     ) -> AsyncIterator[Piece]:
-        """Generate one Piece per token, then a last Piece (token None) that carries
-        ``finish_reason`` and ``usage``; cancel it, or break and close it, at any point.
+        """Generate one Piece per token; the last piece of the stream carries ``finish_reason``
+        and ``usage``: the last token's own piece when max_tokens or a stop string ended it, else
+        one more piece with no token (an end-of-generation token, a cancel). Cancel the stream, or
+        break and close it, at any point.
 
         ``sampling`` chooses the draw (greedy by default); ``stop`` strings end the generation and
         are never shown, nor anything after them; ``stop_at_end=False`` decodes through the
@@ -317,13 +328,15 @@ class Session:
                     stats.generated_tokens += 1
                     lp = logprobs_of(logits, token, sampling.logprobs) if sampling.logprobs is not None else None
                     metrics = self._token_metrics(i, token, m, start)
-                    yield Piece(token, stops.feed(decoder.decode(model.piece(token))), metrics, lp)
-                    if stops.hit is not None:
-                        finish = "stop"
-                        break
                     i += 1
-                    if i == max_tokens:
-                        break
+                    text = stops.feed(decoder.decode(model.piece(token), final=i == max_tokens))
+                    if stops.hit is None and i < max_tokens:
+                        yield Piece(token, text, metrics, lp)
+                    else:  # the last token: its piece carries the end (nothing is held back any more)
+                        finish = "stop" if stops.hit is not None else "length"
+                        usage = self._usage(tokens, completion, reused)
+                        yield Piece(token, text + stops.flush(), metrics, lp, finish, usage)
+                        return
                     try:
                         m = await self._measured_decode([[token]], m.next_step, PHASE_DECODE, i - 1)
                     except DecodeAbortedError:
@@ -332,10 +345,10 @@ class Session:
                         finish = "cancelled"
                         break
                     stats.decode_s += m.wall_s
+                # Ended without a last token to carry it (end of generation, cancelled): one more
+                # piece, with no token, says why, with any text still held back.
                 tail = stops.feed(decoder.decode(b"", final=True)) + stops.flush()
-                usage = Usage(len(tokens), completion, len(tokens) - reused)
-                self.last_usage = usage
-                yield Piece(None, tail, finish_reason=finish, usage=usage)
+                yield Piece(None, tail, finish_reason=finish, usage=self._usage(tokens, completion, reused))
             finally:
                 sampler.close()
                 self._finish_stats(stats, start)
@@ -361,6 +374,11 @@ class Session:
         out.stats = self.last_stats
         out.logprobs = logprobs if sampling is not None and sampling.logprobs is not None else None
         return out
+
+    def _usage(self, prompt: list[int], completion: int, reused: int) -> Usage:
+        usage = Usage(len(prompt), completion, len(prompt) - reused)
+        self.last_usage = usage
+        return usage
 
     def cancel(self) -> None:
         """Stop the running generation at its next graph node (any thread); it ends with

@@ -176,12 +176,17 @@ class _Generation(Response):
             (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
             (b"x-accel-buffering", b"no"),
         ]})
-        async with aclosing(chunks):
-            async for chunk in chunks:
-                if state["gone"]:
-                    break
-                data = b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
-                await send({"type": "http.response.body", "body": data, "more_body": True})
+        try:
+            async with aclosing(chunks):
+                async for chunk in chunks:
+                    if state["gone"]:
+                        break
+                    data = b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
+        except BmoeError as exc:  # the status line is out: the failure goes as an event
+            log.error("generation failed mid-stream: %s", exc)
+            data = b"data: " + json.dumps(error_body(str(exc), "server_error")).encode() + b"\n\n"
+            await send({"type": "http.response.body", "body": data, "more_body": True})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 

@@ -43,6 +43,7 @@ class ChatRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def engine_kwargs(self) -> dict[str, Any]:
         kw = super().engine_kwargs()

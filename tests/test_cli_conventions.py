@@ -1,0 +1,74 @@
+"""CLI conventions: --version, prompts from stdin and files, sampling and grammar flags, | head,
+-q, a flag that does nothing in the chosen mode, and bad sampling values as one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from bmoe.synth.tiny import TinySpec
+
+BMOE = [sys.executable, "-m", "bmoe.cli"]
+GUARD_S = 120
+
+
+def bmoe(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*BMOE, *args], input=stdin, capture_output=True, text=True, timeout=GUARD_S)
+
+
+def test_version() -> None:
+    r = bmoe("--version")
+    assert r.returncode == 0 and r.stdout.startswith("bmoe ") and "llama-cpp-python" in r.stdout
+
+
+def test_prompt_from_stdin_and_file_give_the_same_run(tiny, tmp_path) -> None:
+    path = tiny.path(TinySpec())
+    (tmp_path / "p.txt").write_text("The same prompt")
+    a = bmoe("run", "-m", str(path), "-p", "-", "-n", "6", "--json", stdin="The same prompt")
+    b = bmoe("run", "-m", str(path), "-f", str(tmp_path / "p.txt"), "-n", "6", "--json")
+    c = bmoe("run", "-m", str(path), "-p", "The same prompt", "-n", "6", "--json")
+    ra, rb, rc = (json.loads(x.stdout) for x in (a, b, c))
+    assert ra["tokens"] == rb["tokens"] == rc["tokens"]
+    assert ra["finish_reason"] == "length" and ra["prompt_tokens_evaluated"] == ra["prompt_tokens"]
+
+
+def test_seeded_sampling_flags_and_json_schema(tiny, tmp_path) -> None:
+    path = tiny.path(TinySpec())
+    flags = ["run", "-m", str(path), "-p", "x", "-n", "12", "-q", "--temp", "0.9", "--top-k", "30", "--top-p", "0.9",
+             "--min-p", "0.05", "--repeat-penalty", "1.1"]
+    one, two, other = bmoe(*flags, "--seed", "3"), bmoe(*flags, "--seed", "3"), bmoe(*flags, "--seed", "4")
+    assert one.returncode == 0 and one.stdout == two.stdout != other.stdout
+    assert one.stderr == "", "-q leaves only the text and errors"
+    schema = '{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}'
+    r = bmoe("run", "-m", str(path), "-p", "x", "-n", "40", "-q", "--json-schema", schema, "--temp", "1", "--seed", "1")
+    assert isinstance(json.loads(r.stdout)["ok"], bool)
+    (tmp_path / "g.gbnf").write_text('root ::= "yes" | "no"')
+    r = bmoe("run", "-m", str(path), "-p", "x", "-n", "10", "-q", "--grammar-file", str(tmp_path / "g.gbnf"))
+    assert r.stdout.strip() in ("yes", "no")
+
+
+def test_bad_sampling_values_are_one_line(tiny, tmp_path) -> None:
+    path = tiny.path(TinySpec())
+    for extra in (["--temp", "nan"], ["--top-p", "2"], ["--json-schema", "{oops"],
+                  ["--grammar-file", str(tmp_path / "missing.gbnf")], ["--stop", ""]):
+        r = bmoe("run", "-m", str(path), "-p", "x", *extra)
+        assert r.returncode == 1 and r.stderr.startswith("bmoe: error:"), (extra, r.stderr)
+        assert len(r.stderr.splitlines()) == 1, (extra, r.stderr)
+
+
+def test_a_closed_stdout_ends_quietly(tiny) -> None:
+    path = tiny.path(TinySpec())
+    proc = subprocess.Popen([*BMOE, "run", "-m", str(path), "-p", "x", "-n", "200", "-c", "256"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.read(1)
+    proc.stdout.close()  # what `| head -c 1` does
+    err = proc.stderr.read().decode()
+    assert proc.wait(GUARD_S) == 141 and "Traceback" not in err and "BrokenPipe" not in err
+
+
+def test_a_flag_that_does_nothing_is_said(tiny) -> None:
+    path = tiny.path(TinySpec())
+    r = bmoe("run", "-m", str(path), "-p", "x", "-n", "2", "--resident", "--cache-mb", "64")
+    assert r.returncode == 0 and "--cache-mb does nothing with --resident" in r.stderr

@@ -1,0 +1,73 @@
+"""Thinking models: ``enable_thinking`` reaches the template, and ``<think>`` reasoning is separated
+from the answer (``reasoning_content``), even when a tag is split across tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from bmoe.engine.chat import BUILTIN, OWN, ChatFormat, Message
+from bmoe.engine.config import RunConfig
+from bmoe.engine.sync import SyncSession
+from bmoe.engine.thinking import ThinkSplitter
+from bmoe.synth.tiny import TinySpec
+
+# The shape of Qwen3's template: thinking off appends an empty think block to the generation prompt.
+QWEN3_LIKE = (
+    b"{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    b"{% if add_generation_prompt %}<|im_start|>assistant\n"
+    b"{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def run(splitter: ThinkSplitter, pieces: list[str]) -> tuple[str, str]:
+    r, a = zip(*(splitter.feed(p) for p in pieces)) if pieces else ((), ())
+    fr, fa = splitter.flush()
+    return "".join(r) + fr, "".join(a) + fa
+
+
+@pytest.mark.parametrize("pieces,expected", [
+    (["<think>", "plan", "</think>", "\n\nAnswer"], ("plan", "Answer")),
+    (["<th", "ink>pl", "an</th", "ink>", "Ans", "wer"], ("plan", "Answer")),
+    (["  <think>a<b", "</think>x"], ("a<b", "x")),
+    (["Just ", "an answer"], ("", "Just an answer")),
+    (["<b>bold</b>"], ("", "<b>bold</b>")),
+    (["<thi"], ("", "<thi")),
+    (["<think>never closed"], ("never closed", "")),
+])
+def test_splitter(pieces: list[str], expected: tuple[str, str]) -> None:
+    assert run(ThinkSplitter(), pieces) == expected
+
+
+def test_a_prompt_that_opened_the_block_starts_in_reasoning() -> None:
+    assert run(ThinkSplitter("<|im_start|>assistant\n<think>\n"), ["weigh it", "</think>", "done"]) == ("weigh it", "done")
+
+
+def test_enable_thinking_reaches_the_template() -> None:
+    fmt = ChatFormat(QWEN3_LIKE)
+    msgs = [Message("user", "hi")]
+    assert fmt.description == OWN and fmt.thinks
+    assert fmt.render(msgs).endswith("<|im_start|>assistant\n")
+    assert fmt.render(msgs, {"enable_thinking": True}).endswith("<|im_start|>assistant\n")
+    assert fmt.render(msgs, {"enable_thinking": False}).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_a_template_jinja_cannot_render_falls_back_to_llama_cpp() -> None:
+    fmt = ChatFormat(b"<|im_start|>{% for m in messages %}{{ m.content | no_such_filter }}{% endfor %}")
+    assert fmt.description == BUILTIN
+    assert fmt.render([Message("user", "hi")]).startswith("<|im_start|>user\nhi<|im_end|>")
+
+
+def test_reasoning_content_in_chat_completions(tiny) -> None:
+    path = tiny.path(TinySpec())
+    grammar = 'root ::= "<think>" [a-z]{2,6} "</think>" [a-z]{1,4}'
+    with SyncSession.open(path, RunConfig(mode="stream", n_ctx=256)) as s:
+        kw = dict(max_tokens=30, temperature=0.9, seed=4, grammar=grammar,
+                  chat_template_kwargs={"enable_thinking": True})
+        body = s.create_chat_completion([{"role": "user", "content": "think"}], **kw)
+        chunks = list(s.create_chat_completion([{"role": "user", "content": "think"}], stream=True, **kw))
+    message = body["choices"][0]["message"]
+    assert message["reasoning_content"].isalpha() and message["content"].isalpha()
+    assert "<" not in message["content"] + message["reasoning_content"]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
+    assert "".join(d.get("content", "") for d in deltas) == message["content"]
