@@ -196,3 +196,10 @@ def test_reuse_learns_its_memory_from_the_budget() -> None:
     assert small.memory_steps is not None and big.memory_steps is not None
     assert small.memory_steps < big.memory_steps
     assert small.alpha > big.alpha
+
+
+@needs_shared
+def test_default_never_loses_to_lru_up_to_the_whole_bank(replay: Replays) -> None:
+    bank = replay.trace.n_expert * sum(replay.trace.expert_bytes.values()) / MiB
+    for mib in (8000, 12000, bank):
+        assert replay("default", mib).decode_hit_pct >= replay("lru", mib).decode_hit_pct - 1.0, mib

@@ -437,15 +437,24 @@ class AdaptiveReusePolicy(ExpectedReusePolicy):
        ``cycle / density`` plan calls (an expected next use), largest first, so layers that come
        round soonest keep their entries.
 
+    4. **Recency guard, decided by a duel** (set dueling, Qureshi et al., ISCA 2007, with two
+       shadow caches instead of sampled sets). At a budget near one token's working set LRU is
+       hard to beat on flat routing: it keeps exactly each layer's last set, and a model that
+       trades some of those for noisily "popular" experts loses up to 2 points. Two shadow caches
+       that only count hits follow the same keys, one as is, one protecting each layer's last set
+       for a cycle (the ``reuse`` policy's rule, which is what LRU does there); the real cache
+       protects while the protecting shadow has had more recent hits. The shadows cost two
+       argmax-driven evictions per plan; the model is shared (it depends on the routing only).
+
     No constant is fitted to a trace. The horizons are an octave ladder spanning one visit to more
     than any run's decode; the lookahead grid (half an octave, up to 2048 visits) is a numerical
     integration step; the EM step is ``max(1/visits, 1/64)`` (plain averaging first, then a
-    64-visit memory so the weights follow a drift): 1/16 and 1/256 give the same hits within 0.3
-    point (docs/facts.md). There is no one-cycle protection: the density accounts for the burst
-    of a just-routed expert, and protecting a whole cycle is what makes LRU gain nothing at a
-    budget of about one token's working set.
+    64-visit memory so the weights follow a drift), and the duel's hit counts decay on the same
+    64-token memory: 1/16 and 1/256 give the same hits within 0.3 point (docs/facts.md).
 
-    Cost per plan call: a few numpy operations over (horizons x experts) and (experts x grid).
+    Cost per plan call: a few numpy operations over (horizons x experts) and (experts x grid),
+    and the shadows' bookkeeping: about 0.3 ms against 0.1 ms for ``reuse`` on the shared trace
+    (``bench/policy_cost.py``), small beside one expert read (2-3 MiB, milliseconds).
     """
 
     name = "adaptive"
@@ -460,6 +469,11 @@ class AdaptiveReusePolicy(ExpectedReusePolicy):
         self._decay = (1.0 - self.ALPHAS)[:, None] ** self.GRID[None, :]  # horizons x grid
         self._gaps = np.diff(self.GRID)
         self._mix: dict[int, _Mixture] = {}
+        self._keys = np.full((0, 64), np.inf)  # every entry's key, resident or not (for the duel)
+        self._recent = np.zeros((0, 64), dtype=bool)  # routed at its layer's latest visit
+        self._row_bytes = np.zeros(0)
+        self._free, self._guarded = _Shadow(False), _Shadow(True)
+        self._guard = False  # protect the recent entries now (the guarded shadow is ahead)
 
     def configure(self, budget_bytes: int, entry_bytes: Mapping[int, int]) -> None:
         super().configure(budget_bytes, entry_bytes)
@@ -468,6 +482,10 @@ class AdaptiveReusePolicy(ExpectedReusePolicy):
     def step_end(self) -> None:
         super().step_end()
         self._protect = False
+        if self._budget is not None:
+            for shadow in (self._free, self._guarded):
+                shadow.trim(self._keys, self._recent, self._row_bytes, self._budget, self.memory_steps)
+        self._guard = (self.memory_steps or 0.0) >= 1.0 and self._guarded.score > self._free.score
 
     def routed(self, layer: int, experts: tuple[int, ...], ranks: tuple[int, ...] | None = None) -> None:
         self._flush()
@@ -482,19 +500,23 @@ class AdaptiveReusePolicy(ExpectedReusePolicy):
         if mix is None:
             mix = self._mix[layer] = _Mixture(len(self.ALPHAS), n, self._w0)
         mix.grow(n)
+        dist = mix.distributions()
         if ids.size and mix.visits:
-            mix.learn(ids, max(1.0 / (mix.visits + 1), self.EM_MIN_STEP))
+            mix.learn(ids, max(1.0 / (mix.visits + 1), self.EM_MIN_STEP), dist)
         mix.visits += 1
         mix.rates *= (1.0 - self.ALPHAS)[:, None]
         if ids.size:  # a prefill union counts as a fractional use, as for ``reuse``
             mix.rates[:, ids] += self.ALPHAS[:, None] * min(1.0, self._min_routed / ids.size)
         self._note_use(layer, st, ids)
         k = float(self._min_routed if self._min_routed < (1 << 30) else max(ids.size, 1))
-        mix.keys = self._pos + self._cycle / self._density(mix, k)
+        mix.keys = self._pos + self._cycle / self._density(mix, k, mix.distributions())  # after the update
+        self._duel(layer, st.row, ids, mix.keys)
         idx = np.flatnonzero(st.resident)
         order = self._order[st.row]
         order[:] = _ABSENT
         order[idx] = mix.keys[idx]
+        if self._guard and ids.size:
+            order[ids[st.resident[ids]]] -= _PROTECT  # the hits; misses are keyed when admitted
 
     def admitted(self, entry: Entry) -> None:
         layer, e = entry
@@ -503,28 +525,121 @@ class AdaptiveReusePolicy(ExpectedReusePolicy):
             self.routed(layer, (e,))  # admitted without a plan: count it as a use now
             st = self._layers[layer]
         st.resident[e] = True
-        self._order[st.row, e] = self._mix[layer].keys[e]
+        self._order[st.row, e] = self._mix[layer].keys[e] - (_PROTECT if self._guard else 0.0)
 
-    def _density(self, mix: _Mixture, k: float) -> np.ndarray:
+    def _duel(self, layer: int, row: int, ids: np.ndarray, keys: np.ndarray) -> None:
+        """Keep the shared key and recent tables and let both shadows serve this routing."""
+        rows, width = self._order.shape
+        if self._keys.shape != (rows, width):
+            keys_all = np.full((rows, width), np.inf)
+            recent = np.zeros((rows, width), dtype=bool)
+            r0, w0 = self._keys.shape
+            keys_all[:r0, :w0] = self._keys
+            recent[:r0, :w0] = self._recent
+            self._keys, self._recent = keys_all, recent
+            self._row_bytes = np.array([self._entry_bytes.get(il, 1) for il in self._row_layer], dtype=float)
+        self._keys[row] = keys
+        self._recent[row] = False
+        self._recent[row, ids] = True
+        if self._budget is not None and ids.size:
+            for shadow in (self._free, self._guarded):
+                shadow.plan(row, ids, self._keys, self._recent, self._row_bytes, self._budget,
+                            self.memory_steps)
+
+    def _density(self, mix: _Mixture, k: float, dist: np.ndarray) -> np.ndarray:
         """Per expert of the layer: P(routed within T visits) / E[visits held until then]."""
-        n = mix.rates.shape[1]
-        dist = mix.distributions()
-        w = mix.weights
-        p = k * (np.einsum("h,hn,hg->ng", w[:-1], dist, self._decay) + w[-1] / n)
-        np.clip(p, 1e-12, 1.0 - 1e-12, out=p)
+        n = dist.shape[1]
         t = self.memory_steps if self.memory_steps is not None else 1.0
         horizon = min(max(t if t >= 1.0 else 1.0 / max(t, 1e-9), 1.0), float(self.GRID[-1]))
-        # Survival (not routed yet) is geometric between grid points at that point's rate.
-        log_miss = np.log1p(-p[:, :-1])
-        log_s = np.zeros((n, len(self.GRID)))
-        np.cumsum(log_miss * self._gaps, axis=1, out=log_s[:, 1:])
-        s = np.exp(log_s)
-        held = s[:, :-1] * -np.expm1(log_miss * self._gaps) / p[:, :-1]  # visits held per interval
         i = min(int(np.searchsorted(self.GRID, horizon, side="right")) - 1, len(self.GRID) - 2)
+        w = mix.weights
+        # Only the grid up to the horizon matters: p is (experts x grid points 0 .. i).
+        p = (w[:-1, None] * dist).T @ self._decay[:, : i + 1]
+        p += w[-1] / n
+        p *= k
+        np.clip(p, 1e-12, 1.0 - 1e-12, out=p)
+        # Survival (not routed yet) is geometric between grid points at that point's rate.
+        log_miss = np.log1p(-p)
+        gaps = self._gaps[:i]
+        log_s = np.zeros((n, i + 1))
+        np.cumsum(log_miss[:, :i] * gaps, axis=1, out=log_s[:, 1:])
+        s = np.exp(log_s)
+        held = s[:, :i] * -np.expm1(log_miss[:, :i] * gaps) / p[:, :i]  # visits held per interval
         part = horizon - self.GRID[i]
-        life = held[:, :i].sum(axis=1) + s[:, i] * -np.expm1(log_miss[:, i] * part) / p[:, i]
+        life = held.sum(axis=1) + s[:, i] * -np.expm1(log_miss[:, i] * part) / p[:, i]
         used = 1.0 - s[:, i] * np.exp(log_miss[:, i] * part)
         return np.maximum(used / np.maximum(life, 1e-12), 1e-12)
+
+
+class _Shadow:
+    """A cache that only counts: the entries it would hold evicting by the shared keys, with or
+    without one-cycle protection of the recent entries, and its recent hits (a count decayed by
+    1/64 per token, the EM step's memory). Its eviction table is kept row by row, as the layers
+    are visited, so a victim is one argmax."""
+
+    def __init__(self, guarded: bool) -> None:
+        self.guarded = guarded
+        self.resident = np.zeros((0, 64), dtype=bool)
+        self.cand = np.full((0, 64), -np.inf)  # key of each resident entry (protected: - 1e12)
+        self.protecting = False
+        self.bytes = 0.0
+        self.score = 0.0
+
+    def _fit(self, shape: tuple[int, int]) -> None:
+        if self.resident.shape != shape:
+            r0, w0 = self.resident.shape
+            resident = np.zeros(shape, dtype=bool)
+            cand = np.full(shape, -np.inf)
+            resident[:r0, :w0] = self.resident
+            cand[:r0, :w0] = self.cand
+            self.resident, self.cand = resident, cand
+
+    def _key_row(self, row: int, keys: np.ndarray, recent: np.ndarray) -> None:
+        cand = np.where(self.resident[row], keys[row], -np.inf)
+        if self.protecting:
+            cand[recent[row] & self.resident[row]] -= _PROTECT
+        self.cand[row] = cand
+
+    def plan(self, row: int, ids: np.ndarray, keys: np.ndarray, recent: np.ndarray, row_bytes: np.ndarray,
+             budget: int, memory: float | None) -> None:
+        self._fit(keys.shape)
+        self._set_protecting(keys, recent, memory)
+        hit = self.resident[row, ids]
+        self.score += float(hit.sum())
+        self.bytes += float((~hit).sum()) * row_bytes[row]
+        self.resident[row, ids] = True
+        self._key_row(row, keys, recent)
+        if self.bytes > budget:
+            saved = self.cand[row, ids].copy()
+            self.cand[row, ids] = -np.inf  # the layer being served is pinned
+            self._evict(row_bytes, budget)
+            self.cand[row, ids] = saved
+
+    def trim(self, keys: np.ndarray, recent: np.ndarray, row_bytes: np.ndarray, budget: int,
+             memory: float | None) -> None:
+        self.score *= 1.0 - AdaptiveReusePolicy.EM_MIN_STEP
+        if self.resident.shape == keys.shape:
+            self._set_protecting(keys, recent, memory)
+            self._evict(row_bytes, budget)
+
+    def _set_protecting(self, keys: np.ndarray, recent: np.ndarray, memory: float | None) -> None:
+        protecting = self.guarded and (memory or 0.0) >= 1.0
+        if protecting != self.protecting:
+            self.protecting = protecting
+            for row in range(keys.shape[0]):
+                self._key_row(row, keys, recent)
+
+    def _evict(self, row_bytes: np.ndarray, budget: int) -> None:
+        flat = self.cand.reshape(-1)
+        width = self.cand.shape[1]
+        while self.bytes > budget:
+            i = int(flat.argmax())
+            if flat[i] == -np.inf:
+                return
+            flat[i] = -np.inf
+            r, e = divmod(i, width)
+            self.resident[r, e] = False
+            self.bytes -= row_bytes[r]
 
 
 class _Mixture:
@@ -546,11 +661,13 @@ class _Mixture:
 
     def distributions(self) -> np.ndarray:
         total = self.rates.sum(axis=1, keepdims=True)
+        if total.all():
+            return self.rates / total
         return np.where(total > 0, self.rates / np.maximum(total, 1e-300), 1.0 / self.rates.shape[1])
 
-    def learn(self, ids: np.ndarray, step: float) -> None:
+    def learn(self, ids: np.ndarray, step: float, dist: np.ndarray) -> None:
         """One online-EM step toward the components that explain the routed ``ids``."""
-        comp = np.vstack([self.distributions()[:, ids], np.full((1, ids.size), 1.0 / self.rates.shape[1])])
+        comp = np.vstack([dist[:, ids], np.full((1, ids.size), 1.0 / self.rates.shape[1])])
         q = self.weights @ comp
         resp = (self.weights[:, None] * comp / q).mean(axis=1)
         self.weights = (1.0 - step) * self.weights + step * resp
