@@ -56,6 +56,9 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-mb", type=_cache_mb, default=0.0,
                    help="expert cache budget in MiB, or 'auto' (0 = off: every routed expert read)")
     p.add_argument("--cache-ceil-mb", type=float, default=None, help="upper bound for the budget")
+    p.add_argument("--cache-profile", default=None, metavar="FILE",
+                   help="seed the cache policy from this JSON profile if it exists, save what the run "
+                        "learned to it at the end (lossless: only the eviction order changes)")
     p.add_argument("--dense-weights", choices=("mmap", "anon"), default="mmap",
                    help="anon: copy dense weights into anonymous memory (safe from page-cache churn)")
     p.add_argument("--open-mode", choices=("auto", "user", "mmap", "mmap-drop"), default="auto",
@@ -149,6 +152,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
         n_ctx=args.ctx,
         cache_bytes=None if args.cache_mb is None else int(args.cache_mb * MiB),
         cache_ceiling_bytes=None if args.cache_ceil_mb is None else int(args.cache_ceil_mb * MiB),
+        cache_profile=args.cache_profile,
         dense_weights=args.dense_weights,
         open_mode=args.open_mode,
         route_trace=args.route_trace,

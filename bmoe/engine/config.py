@@ -36,6 +36,9 @@ class RunConfig:
     cache_bytes: int | None = 0
     cache_ceiling_bytes: int | None = None
     cache_policy: str = "default"  # a name in bmoe.pipeline.policies.POLICIES; "lru" is the baseline
+    # Seed the cache policy from this profile at open (if the file exists) and save what the run
+    # learned to it at close (bmoe.pipeline.profile); streamed runs with a cache only.
+    cache_profile: str | None = None
     # How the model is opened when streaming (bmoe.engine.loader): auto picks the cheapest that works.
     open_mode: OpenMode = "auto"
     # Dense weights: stay in llama.cpp's file mapping, or copied into anonymous memory ("anon").

@@ -253,6 +253,11 @@ class ExpectedReusePolicy:
         self.memory_steps: float | None = None  # the measured T, for reports
 
     @property
+    def steps(self) -> int:
+        """Decode calls seen (trims)."""
+        return self._step
+
+    @property
     def alpha(self) -> float:
         """The fastest decay rate consulted, about ``1 / (1 + T)``."""
         return float(self.RATES[self._first_row])
@@ -545,6 +550,24 @@ class AdaptiveReusePolicy(ExpectedReusePolicy):
             for shadow in (self._free, self._guarded):
                 shadow.plan(row, ids, self._keys, self._recent, self._row_bytes, self._budget,
                             self.memory_steps)
+
+    def usage(self) -> dict[int, np.ndarray]:
+        """Per layer, each expert's chance of being routed on a token, from the slowest rate (what
+        a cache profile saves)."""
+        return {layer: mix.rates[-1].copy() for layer, mix in self._mix.items()}
+
+    def seed(self, usage: Mapping[int, np.ndarray]) -> None:
+        """Start from a profile's usage: every horizon but the last visit begins at those rates
+        (a new run has no last visit), so popular experts are known before they are routed."""
+        for layer, rates in usage.items():
+            self._layer(layer)
+            self._fit(rates.shape[0])
+            n = self._order.shape[1]
+            mix = self._mix.get(layer)
+            if mix is None:
+                mix = self._mix[layer] = _Mixture(len(self.ALPHAS), n, self._w0)
+            mix.grow(n)
+            mix.rates[1:, : rates.shape[0]] = rates[None, :]
 
     def _density(self, mix: _Mixture, k: float, dist: np.ndarray) -> np.ndarray:
         """Per expert of the layer: P(routed within T visits) / E[visits held until then]."""
