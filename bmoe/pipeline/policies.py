@@ -2,55 +2,32 @@
 
 Policies (``POLICIES``, ``make_policy(name)``; ``ExpertCache`` gets one by name):
 
-    lru      least recently used first (``LruPolicy``)
-    reuse    the default (alias ``default``): evict the entry whose next use is expected furthest
-             away, from multi-horizon decayed use rates and the layer cycle (``ExpectedReusePolicy``)
-    opt      Belady's offline optimum, the ceiling: needs the replayed sequence of plan calls
-             (``make_policy("opt", future=[(layer, experts), ...])``); replay only
+    lru       least recently used first (``LruPolicy``)
+    adaptive  the default (alias ``default``): a next-use model each layer learns online (recency
+              vs popularity, mixed by online EM), eviction by expected hit density over the
+              cache's own memory, and a recency guard decided by two shadow caches
+              (``AdaptiveReusePolicy``)
+    reuse     the previous default: expected next use from multi-horizon decayed rates (max over
+              horizons) and the layer cycle, a just-routed entry protected for one cycle
+              (``ExpectedReusePolicy``); kept for comparison
+    opt       Belady's offline optimum, the ceiling: needs the replayed sequence of plan calls
+              (``make_policy("opt", future=[(layer, experts), ...])``); replay only
 
-``bmoe.pipeline.simulate.simulate(trace, policy, budget_bytes)`` replays a ``RouteTrace`` through ``ExpertCache`` as the
-engine drives it: one ``plan`` per layer event (``RouteTrace.layer_events``: a prefill call is one
-event per layer with the union of its tokens' experts, sorted as the eval callback hands them
-over), a ``trim`` after every llama_decode call. Hit % = hits / (hits + misses) over the unique
-experts of each event; ``decode_hit_pct`` counts decode events only; MiB = 2^20 bytes; an entry's
-bytes are the trace header's ``expert_bytes`` of its layer.
+``bmoe.pipeline.simulate.simulate(trace, policy, budget_bytes)`` replays a ``RouteTrace`` through
+``ExpertCache`` as the engine drives it: one ``plan`` per layer event (``RouteTrace.layer_events``:
+a prefill call is one event per layer with the union of its tokens' experts, sorted as the eval
+callback hands them over), a ``trim`` after every llama_decode call. Hit % = hits / (hits +
+misses) over the unique experts of each event; ``decode_hit_pct`` counts decode events only; MiB
+= 2^20 bytes; an entry's bytes are the trace header's ``expert_bytes`` of its layer.
 
-Reproduction on ``shared/traces/qwen3-30b-a3b.route.csv`` (decode hit %):
-
-- LRU: 37.7 / 56.6 / 80.3 at 1000 / 2000 / 4000 MiB, 0.0 below one token's working set (785 MiB
-  with the header's per-layer sizes; 840 MiB is 48 x 6 x the larger size), all-phase 74.9 % at
-  4000 MiB, which is the cumulative figure the recording run reported. The cache warm from
-  prefill into decode is what matches: at 4000 MiB this replay marks resident all but 3 of the
-  36 864 decode accesses the recording run marked (replaying the prompt per token or as one
-  batch changes nothing). The quoted 56.4 at 2000 MiB is 56.5 with slot order (BigMoeOnEdge's
-  ``scripts/route-replay.py`` gives 56.55, as this replay does with ``order="recorded"``) and
-  56.4 only with the cache cold at the first decode token, which then gives 79.3 at 4000: no one
-  semantics gives all three quoted figures; this one matches the recorded run.
-- opt (furthest next use at plan-call granularity, the current layer pinned, the budget holding
-  after every plan): 62.7 / 79.4 / 92.7, equal to BigMoeOnEdge's replay of its ``belady`` to the
-  hundredth. The quoted 61.1 / 78.1 / 91.8 are 1-1.6 points lower (a coarser future, perhaps);
-  the gap below is measured against this higher ceiling.
-
-The default against them (``bench/policies.py``; gap = (reuse - lru) / (opt - lru)):
-
-    MiB     lru   reuse    opt    gap
-     250    0.0    18.5   27.5   67 %
-     500    0.0    28.9   45.3   64 %
-     750    0.0    37.3   55.4   67 %
-    1000   37.7    45.2   62.7   30 %
-    1500   47.0    55.4   72.7   33 %
-    2000   56.6    64.0   79.4   33 %
-    3000   70.6    75.4   87.8   28 %
-    4000   80.3    83.5   92.7   26 %   (28 % of the quoted gap)
-    5000   87.8    89.0   95.3   16 %
-    6000   92.1    92.6   96.6   10 %
-
-For scale, a hot list chosen in hindsight gives about 42-44 / 61-63 / 83-86 %. Decayed frequency
-alone (one EWMA) reaches 43.7 / 62.3 / 83.2 only with its rate picked per budget by hand; the
-budget-derived horizon, the max over a ladder of horizons and the one-cycle protection of a fresh
-entry are each worth a few tenths of a point to 1.5 points. On synthetic traces of other shapes
-(16-60 layers, 32-256 experts, top-1 to top-8, flat or skewed, bursty or not, drifting or not,
-0.25x-8x the working set) it was never more than 0.1 point below LRU.
+Why LRU is the wrong baseline to stop at: below one token's working set (layers x top-k experts)
+it evicts every entry just before its layer comes round again and hits nothing, and above it, it
+keeps whatever was routed last whether or not the model's routing rewards recency. Why a policy
+must learn: how much recency and popularity predict the next use differs by model and by layer
+(the previous token predicts 38 % of Qwen3's routing, 18 % of gpt-oss's). The measured tables
+(the shared Qwen3 trace at 250 MiB .. the whole bank, the synthetic grid, the replay's agreement
+with the recording run and with BigMoeOnEdge's own replay, planning costs) are in
+``docs/facts.md``: they are measurements and drift with the code; this docstring keeps the why.
 """
 
 from __future__ import annotations
