@@ -11,18 +11,19 @@ from bmoe.pipeline.simulate import simulate
 from bmoe.synth.routing import RoutingSpec, measure, routing_trace
 
 MiB = 1 << 20
-CELLS = [  # (experts, top-k, layers) x (skew, reuse): the grid's corners, shallow and short
-    (shape, skew, reuse)
+CELLS = [  # (experts, top-k, layers) x (law, skew, reuse): the grid's corners, shallow and short
+    (shape, law, skew, reuse)
     for shape in ((32, 4, 8), (128, 2, 12), (64, 8, 6))
-    for skew, reuse in ((0.0, 0.05), (1.05, 0.18), (1.05, 0.5), (2.2, 0.5))
+    for law, skew, reuse in (("zipf", 0.0, 0.05), ("zipf", 1.05, 0.18), ("zipf", 1.05, 0.5), ("zipf", 2.2, 0.5),
+                             ("lognormal", 2.0, 0.38))
 ]
 
 
-@pytest.mark.parametrize(("shape", "skew", "reuse"), CELLS)
-def test_default_holds_up_on_the_grid(shape: tuple[int, int, int], skew: float, reuse: float) -> None:
+@pytest.mark.parametrize(("shape", "law", "skew", "reuse"), CELLS)
+def test_default_holds_up_on_the_grid(shape: tuple[int, int, int], law: str, skew: float, reuse: float) -> None:
     n_expert, k, n_layer = shape
     spec = RoutingSpec(n_expert=n_expert, top_k=k, n_layer=n_layer, skew=skew, reuse=reuse,
-                       tokens=48, prompt=8, expert_bytes=MiB, seed=1)
+                       tokens=48, prompt=8, expert_bytes=MiB, seed=1, law=law)
     trace = routing_trace(spec)
     events = trace.layer_events()
     ws = n_layer * k * MiB
@@ -50,3 +51,19 @@ def test_generator_hits_its_targets() -> None:
         RoutingSpec(top_k=0)
     with pytest.raises(ConfigError):
         RoutingSpec(reuse=float("nan"))
+
+
+def test_lognormal_law_touches_fewer_experts_than_zipf() -> None:
+    """The light-tailed law the real trace has: far fewer distinct experts per layer."""
+    import numpy as np
+
+    def distinct(spec: RoutingSpec) -> float:
+        t = routing_trace(spec)
+        d = t.phase == 1
+        return float(np.mean([np.unique(t.expert[d & (t.layer == il)]).size for il in range(t.n_layer)]))
+
+    zipf = distinct(RoutingSpec(n_layer=8, skew=1.05, tokens=96))
+    logn = distinct(RoutingSpec(n_layer=8, skew=2.0, law="lognormal", tokens=96))
+    assert logn < zipf - 15
+    with pytest.raises(ConfigError):
+        RoutingSpec(law="pareto")
