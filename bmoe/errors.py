@@ -19,8 +19,10 @@ of them into a one-line message and exit status 1.
     +-- TraceFormatError          a route trace that cannot be read (names the file and line)
     +-- ReadError                 an expert read failed or came back short
     +-- BudgetError               a memory budget that cannot be honoured
+    +-- RegionError               expert memory could not be released or unmapped (madvise, munmap)
     +-- ConfigError               a RunConfig value out of range
     |   +-- OutputPathError       an output path that is an input, a folder, or not writable
+    +-- SessionClosedError        a call on a session that was closed (no native call is made)
     +-- DecodeAbortedError        a decode was stopped; its tokens were not emitted
         +-- GenerationCancelled   the caller cancelled the generation
 """
@@ -88,6 +90,14 @@ class BudgetError(BmoeError):
     pass
 
 
+class RegionError(BmoeError):
+    """A call on bmoe's reserved expert memory failed; carries the errno."""
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
+
+
 class ConfigError(BmoeError):
     pass
 
@@ -96,12 +106,27 @@ class OutputPathError(ConfigError):
     pass
 
 
+class SessionClosedError(BmoeError):
+    """The session was closed: its model and context are gone, so the call cannot be made."""
+
+
 class DecodeAbortedError(BmoeError):
     """The decode was aborted; the token it would have produced is discarded."""
 
 
 class GenerationCancelled(DecodeAbortedError):
     pass
+
+
+def as_bmoe_error(exc: BaseException, cls: type[BmoeError], what: str) -> BmoeError:
+    """``exc`` itself if it is a bmoe error; else a ``cls`` that says ``what`` failed and keeps the
+    foreign exception as its cause. The one mapping every adapter applies where foreign errors
+    enter (the eval callback, the user-open filler, the bind stage), so the cause is never lost."""
+    if isinstance(exc, BmoeError):
+        return exc
+    wrapped = cls(f"{what}: {exc!r}")
+    wrapped.__cause__ = exc
+    return wrapped
 
 
 def first_error(group: BaseExceptionGroup) -> BaseException:

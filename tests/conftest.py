@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,10 @@ from bmoe.engine.config import RunConfig
 from bmoe.engine.session import Session
 from bmoe.pipeline.hooks import Hooks
 from bmoe.synth.tiny import TinySpec, write_tiny
+
+# The first-open check runs a child per new file: the suite's many tiny files skip it (and so do
+# the CLI subprocesses, which inherit this); tests/test_isolate.py turns it on for real.
+os.environ["BMOE_ISOLATE"] = "0"
 
 PROMPT = "Routed experts stream from the disk, token after token."  # >= 16 byte-level tokens
 N_TOKENS = 24
@@ -60,3 +66,16 @@ def greedy_on(model, n: int, prompt: str = PROMPT):  # noqa: ANN001, ANN201
         tokens.append(int(np.argmax(model.logits())))
         model.decode([tokens[-1]])
     return first, tokens
+
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """Every ``pytest.mark.asyncio`` test runs on both loops bmoe may run on (``bmoe.engine.aio``
+    picks uvloop when it is installed)."""
+    factories: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {"asyncio": asyncio.new_event_loop}
+    try:
+        import uvloop
+    except ImportError:
+        return factories
+    factories["uvloop"] = uvloop.new_event_loop
+    return factories

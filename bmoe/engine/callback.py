@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from bmoe.errors import BmoeError, DecodeAbortedError
+from bmoe.errors import DecodeAbortedError, as_bmoe_error
 from bmoe.io.ggml import NAME_OFFSET, SRC_OFFSET, GgmlTensor
 from bmoe.pipeline.events import PHASE_DECODE
 from bmoe.pipeline.gate import RoutingGate
@@ -170,11 +170,7 @@ class EvalCallback:
         return True
 
     def _record(self, exc: BaseException) -> None:
-        if not isinstance(exc, BmoeError):
-            wrapped = DecodeAbortedError(f"eval callback failed: {exc!r}")
-            wrapped.__cause__ = exc
-            exc = wrapped
-        self.gate.abort(exc)
+        self.gate.abort(as_bmoe_error(exc, DecodeAbortedError, "eval callback failed"))
 
 
 def _router_weights(node: int) -> np.ndarray:

@@ -151,9 +151,10 @@ class _ComputeClock:
 
 
 def _projections(arch: str) -> int:
-    """Expert projections per layer of an architecture (3 when bmoe has no recipe for it)."""
+    """Expert projections per layer of an architecture (3 when bmoe has no recipe for it); the
+    trace does not say whether gate/up were fused, so the recipe's first (usual) layout."""
     try:
-        return len(recipe_for(arch).expert_suffixes)
+        return len(recipe_for(arch).layouts[0])
     except BmoeError:
         return 3
 

@@ -20,7 +20,7 @@ import mmap
 import os
 from types import TracebackType
 
-from bmoe.errors import BudgetError
+from bmoe.errors import BudgetError, RegionError
 from bmoe.io.direct import DIRECT_ALIGN, align_up
 from bmoe.io.libc import libc
 
@@ -36,7 +36,7 @@ _MREMAP_MAYMOVE, _MREMAP_FIXED, _MREMAP_DONTUNMAP = 1, 2, 4  # linux/mman.h; DON
 def _check(rc: int, call: str) -> None:
     if rc != 0:
         err = ctypes.get_errno()
-        raise OSError(err, f"{call}: {os.strerror(err)}")
+        raise RegionError(f"{call} on expert memory failed: {os.strerror(err)}", err)
 
 
 def resident_bytes_of(addr: int, nbytes: int) -> int:
@@ -60,6 +60,15 @@ def map_count_limit() -> int:
             return int(f.read())
     except (OSError, ValueError):
         return 65530
+
+
+def map_count() -> int:
+    """Memory mappings this process holds now (lines of /proc/self/maps; 0 if unreadable)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+    except OSError:
+        return 0
 
 
 def release_pages(lo: int, hi: int) -> None:

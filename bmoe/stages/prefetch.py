@@ -11,7 +11,7 @@ import asyncio
 import concurrent.futures
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import partial
 
@@ -62,6 +62,9 @@ class PrefetchStage:
         # Admissions per entry: a failed read undoes only the admission it was issued for, never
         # a later one of the same expert read since.
         self._admissions: dict[tuple[int, int], int] = {}
+        # Called at each routing event once earlier fast-path layers are accounted and before the
+        # layer is planned (the pressure guard): no layer is pinned, the compute thread waits.
+        self.between_layers: Callable[[], None] | None = None
 
     def account_fast_hits(self) -> None:
         """Plan the layers the routing gate served alone because all were resident, in order: the
@@ -111,6 +114,8 @@ class PrefetchStage:
                     continue
                 t0 = time.perf_counter()
                 self.account_fast_hits()
+                if self.between_layers is not None:
+                    self.between_layers()
                 plan = self._plan(event.layer, event.experts, event.ranks)
                 self.cache_s += time.perf_counter() - t0
                 if self._hooks.on_plan:
