@@ -163,6 +163,9 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-mb", type=_cache_mb, default=0.0,
                    help="expert cache budget in MiB, or 'auto' (0 = off: every routed expert read)")
     p.add_argument("--cache-ceil-mb", type=_mib, default=None, help="upper bound for the budget")
+    p.add_argument("--cache-profile", default=None, metavar="FILE",
+                   help="seed the cache policy from this JSON profile if it exists, save what the run "
+                        "learned to it at the end (lossless: only the eviction order changes)")
     p.add_argument("--force", action="store_true",
                    help="run a --cache-mb that the memory model says cannot fit (warned, not refused)")
     p.add_argument("--no-pressure-guard", action="store_true",
@@ -335,6 +338,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
         cache_bytes=None if args.cache_mb is None else int(args.cache_mb * MiB),
         cache_ceiling_bytes=None if args.cache_ceil_mb is None else int(args.cache_ceil_mb * MiB),
         force_cache=args.force,
+        cache_profile=args.cache_profile,
         pressure_guard=not args.no_pressure_guard,
         dense_weights=args.dense_weights,
         open_mode=args.open_mode,

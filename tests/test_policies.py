@@ -8,6 +8,7 @@ from bmoe.errors import BudgetError, ConfigError
 from bmoe.pipeline.cache import ExpertCache
 from bmoe.pipeline.policies import (
     POLICIES,
+    AdaptiveReusePolicy,
     ExpectedReusePolicy,
     LruPolicy,
     OptPolicy,
@@ -117,9 +118,10 @@ def test_simulate_is_deterministic(replay: Replays) -> None:
 
 
 def test_registry() -> None:
-    assert {"lru", "opt", "reuse", "default"} <= set(POLICIES)
-    assert isinstance(make_policy("default"), ExpectedReusePolicy)
-    assert make_policy("default").name == "reuse"
+    assert {"lru", "opt", "reuse", "adaptive", "default"} <= set(POLICIES)
+    assert isinstance(make_policy("default"), AdaptiveReusePolicy)
+    assert make_policy("default").name == "adaptive"
+    assert make_policy("reuse").name == "reuse"  # the previous default, kept for comparison
     with pytest.raises(ConfigError, match="offline"):
         make_policy("opt")
     with pytest.raises(ConfigError, match="unknown cache policy"):
@@ -144,7 +146,7 @@ def test_opt_evicts_the_furthest_next_use() -> None:
 ENTRY = {0: 100, 1: 100, 2: 100}
 
 
-@pytest.mark.parametrize("name", ["lru", "default"])
+@pytest.mark.parametrize("name", ["lru", "reuse", "default"])
 def test_cache_contract_holds_with_each_policy(name: str) -> None:
     c = ExpertCache(300, ENTRY, make_policy(name))
     assert c.plan(0, (1, 2)).misses == (1, 2)
@@ -196,3 +198,10 @@ def test_reuse_learns_its_memory_from_the_budget() -> None:
     assert small.memory_steps is not None and big.memory_steps is not None
     assert small.memory_steps < big.memory_steps
     assert small.alpha > big.alpha
+
+
+@needs_shared
+def test_default_never_loses_to_lru_up_to_the_whole_bank(replay: Replays) -> None:
+    bank = replay.trace.n_expert * sum(replay.trace.expert_bytes.values()) / MiB
+    for mib in (8000, 12000, bank):
+        assert replay("default", mib).decode_hit_pct >= replay("lru", mib).decode_hit_pct - 1.0, mib

@@ -42,6 +42,9 @@ class RunConfig:
     # (bmoe.pipeline.pressure). Only with a cache.
     pressure_guard: bool = True
     cache_policy: str = "default"  # a name in bmoe.pipeline.policies.POLICIES; "lru" is the baseline
+    # Seed the cache policy from this profile at open (if the file exists) and save what the run
+    # learned to it at close (bmoe.pipeline.profile); streamed runs with a cache only.
+    cache_profile: str | None = None
     # How the model is opened when streaming (bmoe.engine.loader): auto picks the cheapest that works.
     open_mode: OpenMode = "auto"
     # Dense weights: stay in llama.cpp's file mapping, or copied into anonymous memory ("anon").

@@ -151,6 +151,8 @@ class Session:
         check_first_open(layout)  # a child loads a file not seen before: a llama.cpp abort kills it, not us
         if config.route_trace is not None:
             check_output(config.route_trace, "route_trace", layout.shards)
+        if config.cache_profile:
+            check_output(config.cache_profile, "cache_profile", layout.shards)
         streaming = config.mode == "stream"
         if streaming:
             check_overhead()
@@ -575,8 +577,12 @@ class Session:
             self._recorder.close()
             self._recorder = None
         if self._streaming is not None:
-            self._streaming.close()
-            self._streaming = None
+            try:
+                if self.config.cache_profile:
+                    self._streaming.save_profile(self.config.cache_profile, self.layout)
+            finally:
+                self._streaming.close()
+                self._streaming = None
         if self._dense is not None:
             self._dense.close()
             self._dense = None

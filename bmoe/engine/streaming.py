@@ -10,6 +10,7 @@ callback.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,7 @@ from bmoe.pipeline.gate import RoutingGate
 from bmoe.pipeline.hooks import Hooks
 from bmoe.pipeline.policies import make_policy
 from bmoe.pipeline.pressure import BudgetChange, GuardSettings, PressureGuard
+from bmoe.pipeline.profile import load_profile, save_profile
 from bmoe.pipeline.readiness import ReadinessBoard
 from bmoe.stages.bind import BindStage, Residency, SimResidency
 from bmoe.stages.prefetch import PrefetchStage
@@ -133,7 +135,10 @@ class Streamer:
         guard = None
         if config.pressure_guard and budget.bytes > 0:
             guard = PressureGuard(budget.bytes, GuardSettings.around(needs.margin + needs.kept_pages))
-        cache = ExpertCache(budget.bytes, layout.entry_bytes(), make_policy(config.cache_policy))
+        policy = make_policy(config.cache_policy)
+        if config.cache_profile and os.path.exists(config.cache_profile) and hasattr(policy, "seed"):
+            policy.seed(load_profile(config.cache_profile, n_layer=layout.n_layer, n_expert=layout.n_expert))
+        cache = ExpertCache(budget.bytes, layout.entry_bytes(), policy)
         residency = Residency(layout, tensors, recycle=recycling_fits(layout, budget.bytes), shared=budget.bytes == 0)
         try:
             reader = open_reader(layout, config.odirect)
@@ -167,6 +172,13 @@ class Streamer:
         self.tick()
         self.prefetch.evict(self.cache.trim())
         self.trim_s += time.perf_counter() - t0
+
+    def save_profile(self, path: str, layout: ModelLayout) -> None:
+        """What the policy learned about the model's routing, for the next run (if it keeps any)."""
+        policy = self.cache.policy
+        if hasattr(policy, "usage"):
+            save_profile(path, policy.usage(), model=layout.shards[0].name, n_layer=layout.n_layer,
+                         n_expert=layout.n_expert, tokens=int(getattr(policy, "steps", 0)))
 
     def tick(self) -> None:
         """Between layers (no layer pinned, fast-path hits accounted): ask the guard, and on a

@@ -4,6 +4,13 @@ Measured once per (device, slice size, lanes) on a scratch file next to where mo
 cached in the user cache directory, because a replay that models reads needs the figure every
 time and measuring it takes seconds. Reads are O_DIRECT where the filesystem allows it (else
 buffered on an evicted file, and the result says so), at 4096-aligned random offsets.
+
+The scratch file never outlives the probe and never grows past ``MAX_SCRATCH_BYTES``: it is
+created unnamed (``O_TMPFILE``; where the filesystem refuses that, created and unlinked at
+once) and read through ``/proc/self/fd``, so the kernel reclaims it however the process ends, a
+kill included. Slices larger than ``MAX_PROBE_SLICE`` are measured at that size (bandwidth has
+long stopped growing with the slice there), so an absurd expert size from a corrupt trace costs
+nothing.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -21,6 +29,8 @@ from bmoe.io.regions import Region
 
 MiB = 1 << 20
 _SCRATCH_BYTES = 256 * MiB
+MAX_PROBE_SLICE = 64 * MiB
+MAX_SCRATCH_BYTES = 8 * MAX_PROBE_SLICE  # 512 MiB
 
 
 @dataclass(frozen=True)
@@ -37,19 +47,33 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bmoe"
 
 
-def measure(directory: Path, slice_bytes: int, lanes: int, reads: int = 256) -> ProbeResult:
-    """Random reads of ``slice_bytes`` with ``lanes`` threads over a fresh scratch file."""
-    directory.mkdir(parents=True, exist_ok=True)
-    scratch = directory / f".bmoe-probe-{os.getpid()}.bin"
-    size = max(_SCRATCH_BYTES, 8 * slice_bytes)
+def _unnamed_scratch(directory: Path) -> int:
+    """A file in ``directory`` with no name: gone when its last descriptor closes."""
     try:
-        with open(scratch, "wb") as f:
-            block = os.urandom(MiB)
-            for _ in range(-(-size // MiB)):
-                f.write(block)
-            f.flush()
-            os.fsync(f.fileno())
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        return os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except (OSError, AttributeError):
+        fd, name = tempfile.mkstemp(prefix=".bmoe-probe-", dir=directory)
+        os.unlink(name)  # at once: nothing is left behind even if the process is killed now
+        return fd
+
+
+def measure(directory: Path, slice_bytes: int, lanes: int, reads: int = 256) -> ProbeResult:
+    """Random reads of ``slice_bytes`` (at most ``MAX_PROBE_SLICE``) with ``lanes`` threads over a
+    fresh, unnamed scratch file of at most ``MAX_SCRATCH_BYTES``."""
+    if slice_bytes < 1 or lanes < 1:
+        raise ValueError(f"probe needs slice_bytes >= 1 and lanes >= 1, got {slice_bytes}, {lanes}")
+    directory.mkdir(parents=True, exist_ok=True)
+    asked = slice_bytes
+    slice_bytes = min(slice_bytes, MAX_PROBE_SLICE)
+    size = min(max(_SCRATCH_BYTES, 8 * slice_bytes), MAX_SCRATCH_BYTES)
+    fd = _unnamed_scratch(directory)
+    scratch = Path(f"/proc/self/fd/{fd}")
+    try:
+        block = os.urandom(MiB)
+        for _ in range(-(-size // MiB)):
+            os.write(fd, block)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         reader = ShardReader([scratch], direct=True)
         reader.verify(0, 0, min(slice_bytes, size))
         rng = random.Random(0)
@@ -71,11 +95,12 @@ def measure(directory: Path, slice_bytes: int, lanes: int, reads: int = 256) -> 
             mode = reader.mode
             reader.close()
     finally:
-        scratch.unlink(missing_ok=True)
+        os.close(fd)
+    capped = f" (asked {asked}: measured at the {MAX_PROBE_SLICE // MiB} MiB cap)" if asked > slice_bytes else ""
     return ProbeResult(
-        total / MiB / elapsed, slice_bytes, lanes, mode, reads,
-        f"{reads} random {mode} reads of {slice_bytes} bytes, {lanes} lanes, on a {size // MiB} MiB "
-        f"scratch file in {directory}; bytes transferred over wall time",
+        total / MiB / elapsed, asked, lanes, mode, reads,
+        f"{reads} random {mode} reads of {slice_bytes} bytes{capped}, {lanes} lanes, on a "
+        f"{size // MiB} MiB unnamed scratch file in {directory}; bytes transferred over wall time",
     )
 
 

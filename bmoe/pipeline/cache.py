@@ -90,6 +90,10 @@ class ExpertCache:
     def policy_name(self) -> str:
         return self._policy.name
 
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self._policy
+
     def is_resident(self, layer: int, expert: int) -> bool:
         return (layer, expert) in self._resident
 

@@ -2,55 +2,32 @@
 
 Policies (``POLICIES``, ``make_policy(name)``; ``ExpertCache`` gets one by name):
 
-    lru      least recently used first (``LruPolicy``)
-    reuse    the default (alias ``default``): evict the entry whose next use is expected furthest
-             away, from multi-horizon decayed use rates and the layer cycle (``ExpectedReusePolicy``)
-    opt      Belady's offline optimum, the ceiling: needs the replayed sequence of plan calls
-             (``make_policy("opt", future=[(layer, experts), ...])``); replay only
+    lru       least recently used first (``LruPolicy``)
+    adaptive  the default (alias ``default``): a next-use model each layer learns online (recency
+              vs popularity, mixed by online EM), eviction by expected hit density over the
+              cache's own memory, and a recency guard decided by two shadow caches
+              (``AdaptiveReusePolicy``)
+    reuse     the previous default: expected next use from multi-horizon decayed rates (max over
+              horizons) and the layer cycle, a just-routed entry protected for one cycle
+              (``ExpectedReusePolicy``); kept for comparison
+    opt       Belady's offline optimum, the ceiling: needs the replayed sequence of plan calls
+              (``make_policy("opt", future=[(layer, experts), ...])``); replay only
 
-``bmoe.pipeline.simulate.simulate(trace, policy, budget_bytes)`` replays a ``RouteTrace`` through ``ExpertCache`` as the
-engine drives it: one ``plan`` per layer event (``RouteTrace.layer_events``: a prefill call is one
-event per layer with the union of its tokens' experts, sorted as the eval callback hands them
-over), a ``trim`` after every llama_decode call. Hit % = hits / (hits + misses) over the unique
-experts of each event; ``decode_hit_pct`` counts decode events only; MiB = 2^20 bytes; an entry's
-bytes are the trace header's ``expert_bytes`` of its layer.
+``bmoe.pipeline.simulate.simulate(trace, policy, budget_bytes)`` replays a ``RouteTrace`` through
+``ExpertCache`` as the engine drives it: one ``plan`` per layer event (``RouteTrace.layer_events``:
+a prefill call is one event per layer with the union of its tokens' experts, sorted as the eval
+callback hands them over), a ``trim`` after every llama_decode call. Hit % = hits / (hits +
+misses) over the unique experts of each event; ``decode_hit_pct`` counts decode events only; MiB
+= 2^20 bytes; an entry's bytes are the trace header's ``expert_bytes`` of its layer.
 
-Reproduction on ``shared/traces/qwen3-30b-a3b.route.csv`` (decode hit %):
-
-- LRU: 37.7 / 56.6 / 80.3 at 1000 / 2000 / 4000 MiB, 0.0 below one token's working set (785 MiB
-  with the header's per-layer sizes; 840 MiB is 48 x 6 x the larger size), all-phase 74.9 % at
-  4000 MiB, which is the cumulative figure the recording run reported. The cache warm from
-  prefill into decode is what matches: at 4000 MiB this replay marks resident all but 3 of the
-  36 864 decode accesses the recording run marked (replaying the prompt per token or as one
-  batch changes nothing). The quoted 56.4 at 2000 MiB is 56.5 with slot order (BigMoeOnEdge's
-  ``scripts/route-replay.py`` gives 56.55, as this replay does with ``order="recorded"``) and
-  56.4 only with the cache cold at the first decode token, which then gives 79.3 at 4000: no one
-  semantics gives all three quoted figures; this one matches the recorded run.
-- opt (furthest next use at plan-call granularity, the current layer pinned, the budget holding
-  after every plan): 62.7 / 79.4 / 92.7, equal to BigMoeOnEdge's replay of its ``belady`` to the
-  hundredth. The quoted 61.1 / 78.1 / 91.8 are 1-1.6 points lower (a coarser future, perhaps);
-  the gap below is measured against this higher ceiling.
-
-The default against them (``bench/policies.py``; gap = (reuse - lru) / (opt - lru)):
-
-    MiB     lru   reuse    opt    gap
-     250    0.0    18.5   27.5   67 %
-     500    0.0    28.9   45.3   64 %
-     750    0.0    37.3   55.4   67 %
-    1000   37.7    45.2   62.7   30 %
-    1500   47.0    55.4   72.7   33 %
-    2000   56.6    64.0   79.4   33 %
-    3000   70.6    75.4   87.8   28 %
-    4000   80.3    83.5   92.7   26 %   (28 % of the quoted gap)
-    5000   87.8    89.0   95.3   16 %
-    6000   92.1    92.6   96.6   10 %
-
-For scale, a hot list chosen in hindsight gives about 42-44 / 61-63 / 83-86 %. Decayed frequency
-alone (one EWMA) reaches 43.7 / 62.3 / 83.2 only with its rate picked per budget by hand; the
-budget-derived horizon, the max over a ladder of horizons and the one-cycle protection of a fresh
-entry are each worth a few tenths of a point to 1.5 points. On synthetic traces of other shapes
-(16-60 layers, 32-256 experts, top-1 to top-8, flat or skewed, bursty or not, drifting or not,
-0.25x-8x the working set) it was never more than 0.1 point below LRU.
+Why LRU is the wrong baseline to stop at: below one token's working set (layers x top-k experts)
+it evicts every entry just before its layer comes round again and hits nothing, and above it, it
+keeps whatever was routed last whether or not the model's routing rewards recency. Why a policy
+must learn: how much recency and popularity predict the next use differs by model and by layer
+(the previous token predicts 38 % of Qwen3's routing, 18 % of gpt-oss's). The measured tables
+(the shared Qwen3 trace at 250 MiB .. the whole bank, the synthetic grid, the replay's agreement
+with the recording run and with BigMoeOnEdge's own replay, planning costs) are in
+``docs/facts.md``: they are measurements and drift with the code; this docstring keeps the why.
 """
 
 from __future__ import annotations
@@ -253,6 +230,11 @@ class ExpectedReusePolicy:
         self.memory_steps: float | None = None  # the measured T, for reports
 
     @property
+    def steps(self) -> int:
+        """Decode calls seen (trims)."""
+        return self._step
+
+    @property
     def alpha(self) -> float:
         """The fastest decay rate consulted, about ``1 / (1 + T)``."""
         return float(self.RATES[self._first_row])
@@ -408,11 +390,295 @@ class ExpectedReusePolicy:
         self._set_alpha(1.0 / (1.0 + horizon))
 
 
+class AdaptiveReusePolicy(ExpectedReusePolicy):
+    """Evict the entry with the lowest expected hit density, from a next-use model each layer
+    learns online ("adaptive", the default).
+
+    How much recency and how much popularity predict an expert's next use differs by model (the
+    previous token's experts predict 38 % of Qwen3's routing, 18 % of gpt-oss's, where a fixed hot
+    list predicts 27 %) and by layer (Qwen's layer 0 is near-uniform, its deep layers
+    concentrated). So nothing is assumed about the mix; each layer learns it from its own routing.
+
+    1. **Next-use model.** Per layer, decayed use rates at horizons of 1, 2, 4, ... 1024 visits
+       (horizon 1 is "routed at the last visit": pure recency; the long ones are popularity), each
+       normalised to a distribution over the experts, plus a uniform one (the prior for an expert
+       never seen). The layer's prediction for its next routing is their mixture; the mixture
+       weights are fitted by online EM to the layer's actual routing (each visit moves them toward
+       the share of the routed experts each component explained), so a layer whose routing is
+       bursty puts its weight on the short horizons and one with a stable hot set on the long ones.
+       The chance that expert ``e`` is routed ``j`` visits from now, if not routed before, is then
+       ``k * sum_h w_h d_h(e) (1 - a_h)^j + k w_u / n``: each component decays as its rate would.
+    2. **Hit density** (Beckmann et al., "LHD", NSDI 2018): what an entry is worth is the hits it
+       is expected to give per unit of cache space-time it holds, over the time the cache can keep
+       it. That time is the cache's own memory ``T`` in tokens, measured online as for ``reuse``
+       (how many recent steps' distinct routed entries fill the budget; below one token, ``1/T``:
+       a cache that cannot hold a token keeps a stable hot set). Density = P(used within T visits)
+       / E[visits held until used or T]. An expert just routed in a bursty layer scores high for a
+       small cache and gives way to steadily popular ones in a large cache, without any switch.
+    3. **Eviction order across layers** as for ``reuse``: the key is the layer's last visit plus
+       ``cycle / density`` plan calls (an expected next use), largest first, so layers that come
+       round soonest keep their entries.
+
+    4. **Recency guard, decided by a duel** (set dueling, Qureshi et al., ISCA 2007, with two
+       shadow caches instead of sampled sets). At a budget near one token's working set LRU is
+       hard to beat on flat routing: it keeps exactly each layer's last set, and a model that
+       trades some of those for noisily "popular" experts loses up to 2 points. Two shadow caches
+       that only count hits follow the same keys, one as is, one protecting each layer's last set
+       for a cycle (the ``reuse`` policy's rule, which is what LRU does there); the real cache
+       protects while the protecting shadow has had more recent hits. The shadows cost two
+       argmax-driven evictions per plan; the model is shared (it depends on the routing only).
+
+    No constant is fitted to a trace. The horizons are an octave ladder spanning one visit to more
+    than any run's decode; the lookahead grid (half an octave, up to 2048 visits) is a numerical
+    integration step; the EM step is ``max(1/visits, 1/64)`` (plain averaging first, then a
+    64-visit memory so the weights follow a drift), and the duel's hit counts decay on the same
+    64-token memory: 1/16 and 1/256 give the same hits within 0.3 point (docs/facts.md).
+
+    Cost per plan call: a few numpy operations over (horizons x experts) and (experts x grid),
+    and the shadows' bookkeeping: about 0.3 ms against 0.1 ms for ``reuse`` on the shared trace
+    (``bench/policy_cost.py``), small beside one expert read (2-3 MiB, milliseconds).
+    """
+
+    name = "adaptive"
+    ALPHAS = np.concatenate([[1.0], 2.0 ** (-np.arange(1, 11))])  # per-visit decay: horizons 1 .. 1024
+    GRID = np.concatenate([[0.0], np.unique(np.round(2.0 ** np.arange(0, 11.5, 0.5)))])  # visits ahead
+    EM_MIN_STEP = 1.0 / 64
+
+    def __init__(self) -> None:
+        super().__init__()
+        n_comp = len(self.ALPHAS) + 1  # the horizons and the uniform prior
+        self._w0 = np.full(n_comp, 1.0 / n_comp)
+        self._decay = (1.0 - self.ALPHAS)[:, None] ** self.GRID[None, :]  # horizons x grid
+        self._gaps = np.diff(self.GRID)
+        self._mix: dict[int, _Mixture] = {}
+        self._keys = np.full((0, 64), np.inf)  # every entry's key, resident or not (for the duel)
+        self._recent = np.zeros((0, 64), dtype=bool)  # routed at its layer's latest visit
+        self._row_bytes = np.zeros(0)
+        self._free, self._guarded = _Shadow(False), _Shadow(True)
+        self._guard = False  # protect the recent entries now (the guarded shadow is ahead)
+
+    def configure(self, budget_bytes: int, entry_bytes: Mapping[int, int]) -> None:
+        super().configure(budget_bytes, entry_bytes)
+        self._protect = False
+
+    def step_end(self) -> None:
+        super().step_end()
+        self._protect = False
+        if self._budget is not None:
+            for shadow in (self._free, self._guarded):
+                shadow.trim(self._keys, self._recent, self._row_bytes, self._budget, self.memory_steps)
+        self._guard = (self.memory_steps or 0.0) >= 1.0 and self._guarded.score > self._free.score
+
+    def routed(self, layer: int, experts: tuple[int, ...], ranks: tuple[int, ...] | None = None) -> None:
+        self._flush()
+        self._pos += 1
+        st = self._layer(layer)
+        ids = np.fromiter(experts, dtype=np.intp, count=len(experts))
+        if ids.size:
+            self._fit(int(ids.max()) + 1)
+            self._min_routed = min(self._min_routed, ids.size)
+        n = self._order.shape[1]
+        mix = self._mix.get(layer)
+        if mix is None:
+            mix = self._mix[layer] = _Mixture(len(self.ALPHAS), n, self._w0)
+        mix.grow(n)
+        dist = mix.distributions()
+        if ids.size and mix.visits:
+            mix.learn(ids, max(1.0 / (mix.visits + 1), self.EM_MIN_STEP), dist)
+        mix.visits += 1
+        mix.rates *= (1.0 - self.ALPHAS)[:, None]
+        if ids.size:  # a prefill union counts as a fractional use, as for ``reuse``
+            mix.rates[:, ids] += self.ALPHAS[:, None] * min(1.0, self._min_routed / ids.size)
+        self._note_use(layer, st, ids)
+        k = float(self._min_routed if self._min_routed < (1 << 30) else max(ids.size, 1))
+        mix.keys = self._pos + self._cycle / self._density(mix, k, mix.distributions())  # after the update
+        self._duel(layer, st.row, ids, mix.keys)
+        idx = np.flatnonzero(st.resident)
+        order = self._order[st.row]
+        order[:] = _ABSENT
+        order[idx] = mix.keys[idx]
+        if self._guard and ids.size:
+            order[ids[st.resident[ids]]] -= _PROTECT  # the hits; misses are keyed when admitted
+
+    def admitted(self, entry: Entry) -> None:
+        layer, e = entry
+        st = self._layers.get(layer)
+        if st is None or e >= st.resident.shape[0] or not st.last_step[e] == self._step:
+            self.routed(layer, (e,))  # admitted without a plan: count it as a use now
+            st = self._layers[layer]
+        st.resident[e] = True
+        self._order[st.row, e] = self._mix[layer].keys[e] - (_PROTECT if self._guard else 0.0)
+
+    def _duel(self, layer: int, row: int, ids: np.ndarray, keys: np.ndarray) -> None:
+        """Keep the shared key and recent tables and let both shadows serve this routing."""
+        rows, width = self._order.shape
+        if self._keys.shape != (rows, width):
+            keys_all = np.full((rows, width), np.inf)
+            recent = np.zeros((rows, width), dtype=bool)
+            r0, w0 = self._keys.shape
+            keys_all[:r0, :w0] = self._keys
+            recent[:r0, :w0] = self._recent
+            self._keys, self._recent = keys_all, recent
+            self._row_bytes = np.array([self._entry_bytes.get(il, 1) for il in self._row_layer], dtype=float)
+        self._keys[row] = keys
+        self._recent[row] = False
+        self._recent[row, ids] = True
+        if self._budget is not None and ids.size:
+            for shadow in (self._free, self._guarded):
+                shadow.plan(row, ids, self._keys, self._recent, self._row_bytes, self._budget,
+                            self.memory_steps)
+
+    def usage(self) -> dict[int, np.ndarray]:
+        """Per layer, each expert's chance of being routed on a token, from the slowest rate (what
+        a cache profile saves)."""
+        return {layer: mix.rates[-1].copy() for layer, mix in self._mix.items()}
+
+    def seed(self, usage: Mapping[int, np.ndarray]) -> None:
+        """Start from a profile's usage: every horizon but the last visit begins at those rates
+        (a new run has no last visit), so popular experts are known before they are routed."""
+        for layer, rates in usage.items():
+            self._layer(layer)
+            self._fit(rates.shape[0])
+            n = self._order.shape[1]
+            mix = self._mix.get(layer)
+            if mix is None:
+                mix = self._mix[layer] = _Mixture(len(self.ALPHAS), n, self._w0)
+            mix.grow(n)
+            mix.rates[1:, : rates.shape[0]] = rates[None, :]
+
+    def _density(self, mix: _Mixture, k: float, dist: np.ndarray) -> np.ndarray:
+        """Per expert of the layer: P(routed within T visits) / E[visits held until then]."""
+        n = dist.shape[1]
+        t = self.memory_steps if self.memory_steps is not None else 1.0
+        horizon = min(max(t if t >= 1.0 else 1.0 / max(t, 1e-9), 1.0), float(self.GRID[-1]))
+        i = min(int(np.searchsorted(self.GRID, horizon, side="right")) - 1, len(self.GRID) - 2)
+        w = mix.weights
+        # Only the grid up to the horizon matters: p is (experts x grid points 0 .. i).
+        p = (w[:-1, None] * dist).T @ self._decay[:, : i + 1]
+        p += w[-1] / n
+        p *= k
+        np.clip(p, 1e-12, 1.0 - 1e-12, out=p)
+        # Survival (not routed yet) is geometric between grid points at that point's rate.
+        log_miss = np.log1p(-p)
+        gaps = self._gaps[:i]
+        log_s = np.zeros((n, i + 1))
+        np.cumsum(log_miss[:, :i] * gaps, axis=1, out=log_s[:, 1:])
+        s = np.exp(log_s)
+        held = s[:, :i] * -np.expm1(log_miss[:, :i] * gaps) / p[:, :i]  # visits held per interval
+        part = horizon - self.GRID[i]
+        life = held.sum(axis=1) + s[:, i] * -np.expm1(log_miss[:, i] * part) / p[:, i]
+        used = 1.0 - s[:, i] * np.exp(log_miss[:, i] * part)
+        return np.maximum(used / np.maximum(life, 1e-12), 1e-12)
+
+
+class _Shadow:
+    """A cache that only counts: the entries it would hold evicting by the shared keys, with or
+    without one-cycle protection of the recent entries, and its recent hits (a count decayed by
+    1/64 per token, the EM step's memory). Its eviction table is kept row by row, as the layers
+    are visited, so a victim is one argmax."""
+
+    def __init__(self, guarded: bool) -> None:
+        self.guarded = guarded
+        self.resident = np.zeros((0, 64), dtype=bool)
+        self.cand = np.full((0, 64), -np.inf)  # key of each resident entry (protected: - 1e12)
+        self.protecting = False
+        self.bytes = 0.0
+        self.score = 0.0
+
+    def _fit(self, shape: tuple[int, int]) -> None:
+        if self.resident.shape != shape:
+            r0, w0 = self.resident.shape
+            resident = np.zeros(shape, dtype=bool)
+            cand = np.full(shape, -np.inf)
+            resident[:r0, :w0] = self.resident
+            cand[:r0, :w0] = self.cand
+            self.resident, self.cand = resident, cand
+
+    def _key_row(self, row: int, keys: np.ndarray, recent: np.ndarray) -> None:
+        cand = np.where(self.resident[row], keys[row], -np.inf)
+        if self.protecting:
+            cand[recent[row] & self.resident[row]] -= _PROTECT
+        self.cand[row] = cand
+
+    def plan(self, row: int, ids: np.ndarray, keys: np.ndarray, recent: np.ndarray, row_bytes: np.ndarray,
+             budget: int, memory: float | None) -> None:
+        self._fit(keys.shape)
+        self._set_protecting(keys, recent, memory)
+        hit = self.resident[row, ids]
+        self.score += float(hit.sum())
+        self.bytes += float((~hit).sum()) * row_bytes[row]
+        self.resident[row, ids] = True
+        self._key_row(row, keys, recent)
+        if self.bytes > budget:
+            saved = self.cand[row, ids].copy()
+            self.cand[row, ids] = -np.inf  # the layer being served is pinned
+            self._evict(row_bytes, budget)
+            self.cand[row, ids] = saved
+
+    def trim(self, keys: np.ndarray, recent: np.ndarray, row_bytes: np.ndarray, budget: int,
+             memory: float | None) -> None:
+        self.score *= 1.0 - AdaptiveReusePolicy.EM_MIN_STEP
+        if self.resident.shape == keys.shape:
+            self._set_protecting(keys, recent, memory)
+            self._evict(row_bytes, budget)
+
+    def _set_protecting(self, keys: np.ndarray, recent: np.ndarray, memory: float | None) -> None:
+        protecting = self.guarded and (memory or 0.0) >= 1.0
+        if protecting != self.protecting:
+            self.protecting = protecting
+            for row in range(keys.shape[0]):
+                self._key_row(row, keys, recent)
+
+    def _evict(self, row_bytes: np.ndarray, budget: int) -> None:
+        flat = self.cand.reshape(-1)
+        width = self.cand.shape[1]
+        while self.bytes > budget:
+            i = int(flat.argmax())
+            if flat[i] == -np.inf:
+                return
+            flat[i] = -np.inf
+            r, e = divmod(i, width)
+            self.resident[r, e] = False
+            self.bytes -= row_bytes[r]
+
+
+class _Mixture:
+    """One layer's next-use model: decayed use rates per horizon and the learned mixture."""
+
+    __slots__ = ("rates", "weights", "visits", "keys")
+
+    def __init__(self, n_rates: int, n: int, w0: np.ndarray) -> None:
+        self.rates = np.zeros((n_rates, n))
+        self.weights = w0.copy()
+        self.visits = 0
+        self.keys = np.full(n, np.inf)
+
+    def grow(self, n: int) -> None:
+        pad = n - self.rates.shape[1]
+        if pad > 0:
+            self.rates = np.pad(self.rates, ((0, 0), (0, pad)))
+            self.keys = np.pad(self.keys, (0, pad), constant_values=np.inf)
+
+    def distributions(self) -> np.ndarray:
+        total = self.rates.sum(axis=1, keepdims=True)
+        if total.all():
+            return self.rates / total
+        return np.where(total > 0, self.rates / np.maximum(total, 1e-300), 1.0 / self.rates.shape[1])
+
+    def learn(self, ids: np.ndarray, step: float, dist: np.ndarray) -> None:
+        """One online-EM step toward the components that explain the routed ``ids``."""
+        comp = np.vstack([dist[:, ids], np.full((1, ids.size), 1.0 / self.rates.shape[1])])
+        q = self.weights @ comp
+        resp = (self.weights[:, None] * comp / q).mean(axis=1)
+        self.weights = (1.0 - step) * self.weights + step * resp
+
+
 POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
     "lru": LruPolicy,
     "opt": OptPolicy,
     "reuse": ExpectedReusePolicy,
-    "default": ExpectedReusePolicy,
+    "adaptive": AdaptiveReusePolicy,
+    "default": AdaptiveReusePolicy,
 }
 
 

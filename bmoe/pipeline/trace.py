@@ -39,7 +39,10 @@ carrying what a timed replay needs. The rows and the v1 header lines are unchang
     # summary key=value ...      optional, last: run totals (free-form)
 
 Readers here accept both versions, ignore ``#`` lines they do not know (so later extensions stay
-readable), and raise ``TraceFormatError`` naming the file and line for anything malformed.
+readable), and raise ``TraceFormatError`` naming the file and line for anything malformed. The
+reader streams the file a bounded line at a time and checks the header's numbers against bounds
+before anything is sized from them, so ``/dev/zero``, a binary file or a header claiming two
+billion layers ends in one line within a fraction of a second and bounded memory (``MAX_*``).
 """
 
 from __future__ import annotations
@@ -60,6 +63,15 @@ COLUMNS = ("turn", "phase", "step", "layer", "slot", "expert", "weight", "reside
 HEADER_V1 = "# route_trace v1"
 HEADER_V2 = "# route_trace v2"
 _MODEL_KEYS = ("model", "arch", "n_layer", "n_expert", "n_expert_used")
+# Bounds checked before anything is allocated from a trace's own numbers. Generous against every
+# published model (llama.cpp's LLAMA_MAX_LAYERS is 512; the most experts any has is 512; a
+# gpt-oss-120b expert is 12.6 MiB) while keeping a hostile file's cost small.
+MAX_LINE_BYTES = 4096
+MAX_ROWS = 1 << 24  # routed slots: 16.7 M, e.g. 94 layers x top-10 over 17 000 tokens
+MAX_LAYERS = 512
+MAX_EXPERTS = 1 << 14
+MAX_EXPERT_BYTES = 1 << 34  # 16 GiB for one expert
+MAX_DENSE_BYTES = 1 << 40
 
 
 class Access(NamedTuple):
@@ -312,16 +324,45 @@ def read_trace(path: str | os.PathLike[str]) -> RouteTrace:
     """Read a route trace (v1 or v2). Raises TraceFormatError (file:line) on malformed input."""
     name = os.fspath(path)
     try:
-        with open(name, encoding="utf-8") as f:
-            lines = f.read().splitlines()
+        with open(name, "rb") as f:
+            return _parse(name, _lines(name, f))
     except OSError as e:
         raise TraceFormatError(f"{name}: cannot read route trace: {e.strerror or e}") from e
-    except UnicodeDecodeError as e:
-        raise TraceFormatError(f"{name}: not a text route trace ({e.reason})") from e
-    if not lines or lines[0].strip() not in (HEADER_V1, HEADER_V2):
-        got = lines[0][:60] if lines else "an empty file"
+
+
+def _lines(name: str, f: io.BufferedReader) -> Iterator[tuple[int, str]]:
+    """(line number, text) of each line, each read with a bound: no line longer than
+    ``MAX_LINE_BYTES``, UTF-8 only."""
+    lineno = 0
+    while True:
+        raw = f.readline(MAX_LINE_BYTES + 1)
+        if not raw:
+            return
+        lineno += 1
+        if len(raw) > MAX_LINE_BYTES:
+            raise _fail(name, lineno, f"a line longer than {MAX_LINE_BYTES} bytes: not a route trace")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise _fail(name, lineno, f"not a text route trace ({e.reason})") from None
+        yield lineno, text.rstrip("\r\n")
+
+
+def _bounded(name: str, lineno: int, pairs: Mapping[str, str], key: str, lo: int, hi: int) -> int:
+    value = _int(name, lineno, pairs, key)
+    if not lo <= value <= hi:
+        raise _fail(name, lineno, f"{key}={value} is out of range ({lo}..{hi})")
+    return value
+
+
+def _parse(name: str, numbered: Iterator[tuple[int, str]]) -> RouteTrace:
+    first = next(numbered, None)
+    head = first[1].strip() if first is not None else ""
+    if head not in (HEADER_V1, HEADER_V2):
+        got = head[:60] if first is not None else "an empty file"
         raise _fail(name, 1, f"expected '{HEADER_V1}' or '{HEADER_V2}', got {got!r}")
-    version = 2 if lines[0].strip() == HEADER_V2 else 1
+    version = 2 if head == HEADER_V2 else 1
+    last_line = 1
     model: dict[str, str] | None = None
     expert_bytes: dict[int, int] = {}
     dense_bytes: dict[int, int] = {}
@@ -331,7 +372,8 @@ def read_trace(path: str | os.PathLike[str]) -> RouteTrace:
     body: list[str] = []
     body_lineno: list[int] = []
     columns_seen = False
-    for lineno, raw in enumerate(lines[1:], start=2):
+    for lineno, raw in numbered:
+        last_line = lineno
         line = raw.strip()
         if not line:
             continue
@@ -340,17 +382,23 @@ def read_trace(path: str | os.PathLike[str]) -> RouteTrace:
             kind = text.split("=", 1)[0].split(None, 1)[0] if text else ""
             if kind == "model" and model is None:
                 model = _pairs(name, lineno, text)
-                for key in _MODEL_KEYS[2:]:
-                    _int(name, lineno, model, key)
+                _bounded(name, lineno, model, "n_layer", 1, MAX_LAYERS)
+                n_expert = _bounded(name, lineno, model, "n_expert", 1, MAX_EXPERTS)
+                _bounded(name, lineno, model, "n_expert_used", 0, n_expert)
                 if "arch" not in model:
                     raise _fail(name, lineno, "missing arch=")
+                if expert_bytes and max(expert_bytes) >= int(model["n_layer"]):
+                    raise _fail(name, lineno, f"a layer line describes layer {max(expert_bytes)} but "
+                                f"n_layer={model['n_layer']}")
             elif kind == "layer" and "expert_bytes=" in text:
                 pairs = _pairs(name, lineno, text)
-                il = _int(name, lineno, pairs, "layer")
+                top = int(model["n_layer"]) - 1 if model is not None else MAX_LAYERS - 1
+                il = _bounded(name, lineno, pairs, "layer", 0, top)
                 if il in expert_bytes:
                     raise _fail(name, lineno, f"layer {il} described twice")
-                expert_bytes[il] = _int(name, lineno, pairs, "expert_bytes")
-                dense_bytes[il] = _int(name, lineno, pairs, "dense_bytes") if "dense_bytes" in pairs else 0
+                expert_bytes[il] = _bounded(name, lineno, pairs, "expert_bytes", 1, MAX_EXPERT_BYTES)
+                dense_bytes[il] = (_bounded(name, lineno, pairs, "dense_bytes", 0, MAX_DENSE_BYTES)
+                                   if "dense_bytes" in pairs else 0)
             elif kind == "run" and text.startswith("run "):
                 run.update(_pairs(name, lineno, text[4:]))
             elif kind == "summary" and text.startswith("summary"):
@@ -358,6 +406,8 @@ def read_trace(path: str | os.PathLike[str]) -> RouteTrace:
             elif kind == "timing" and text.startswith("timing "):
                 pairs = _pairs(name, lineno, text[7:])
                 key = tuple(_int(name, lineno, pairs, k) for k in ("turn", "phase", "step", "layer"))
+                if len(timing) >= MAX_ROWS:
+                    raise _fail(name, lineno, f"more than {MAX_ROWS} timing lines")
                 timing[key] = {  # type: ignore[index]
                     k: _float(name, lineno, pairs, k) for k in ("compute_us", "read_us") if k in pairs
                 }
@@ -368,12 +418,14 @@ def read_trace(path: str | os.PathLike[str]) -> RouteTrace:
                 raise _fail(name, lineno, f"expected the column row {','.join(COLUMNS)!r}")
             columns_seen = True
             continue
+        if len(body) >= MAX_ROWS:
+            raise _fail(name, lineno, f"more than {MAX_ROWS} rows: too large for a route trace")
         body.append(line)
         body_lineno.append(lineno)
     if model is None:
         raise _fail(name, 2, "no '# model=... arch=... n_layer=... n_expert=... n_expert_used=...' line")
     if not columns_seen:
-        raise _fail(name, len(lines), "no column row: the trace has no routing")
+        raise _fail(name, last_line, "no column row: the trace has no routing")
     n_layer = int(model["n_layer"])
     n_expert = int(model["n_expert"])
     n_used = int(model["n_expert_used"])

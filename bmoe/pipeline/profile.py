@@ -1,0 +1,87 @@
+"""Cache profiles: what a run learned about its model's routing, saved for the next run's cache.
+
+A profile is a small JSON file (``--cache-profile FILE``), written when a streamed session closes
+and read when the next one opens, so the cache policy starts from the model's measured
+popularity instead of from nothing. Only the policy's ordering is seeded: which experts are read
+and what the model computes never depend on it (a seeded run gives the cold run's tokens; gated
+in ``tests/test_profile.py``). Format::
+
+    {"format": "bmoe-cache-profile", "version": 1,
+     "model": "<file name>", "n_layer": 48, "n_expert": 128, "tokens": 412,
+     "layers": {"0": [0.012, 0.0, ...], ...}}
+
+``layers[il][e]``: the chance that layer ``il`` routes expert ``e`` on a token, as the run last
+estimated it (a slowly decayed rate; a layer's values sum to about its top-k); ``tokens``: how
+many decode calls the run made. Readers refuse a profile for another shape, one that is not this
+format, or one larger than ``MAX_PROFILE_BYTES``, with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+
+import numpy as np
+
+from bmoe.errors import ConfigError
+
+FORMAT = "bmoe-cache-profile"
+VERSION = 1
+MAX_PROFILE_BYTES = 64 << 20
+
+
+def save_profile(path: str | os.PathLike[str], usage: Mapping[int, np.ndarray], *, model: str,
+                 n_layer: int, n_expert: int, tokens: int) -> None:
+    """Write the profile atomically (a temporary file beside it, then a rename)."""
+    doc = {
+        "format": FORMAT, "version": VERSION, "model": model, "n_layer": n_layer, "n_expert": n_expert,
+        "tokens": tokens,
+        "layers": {str(il): [round(float(x), 5) for x in np.asarray(u)[:n_expert]] for il, u in sorted(usage.items())},
+    }
+    name = os.fspath(path)
+    tmp = f"{name}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(doc, f, separators=(",", ":"))
+        os.replace(tmp, name)
+    except OSError as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise ConfigError(f"{name}: cannot write the cache profile: {e.strerror or e}") from e
+
+
+def load_profile(path: str | os.PathLike[str], *, n_layer: int, n_expert: int) -> dict[int, np.ndarray]:
+    """Per layer, the usage rates of a profile made for this shape of model."""
+    name = os.fspath(path)
+    try:
+        with open(name, "rb") as f:
+            raw = f.read(MAX_PROFILE_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"{name}: cannot read the cache profile: {e.strerror or e}") from e
+    if len(raw) > MAX_PROFILE_BYTES:
+        raise ConfigError(f"{name}: larger than {MAX_PROFILE_BYTES >> 20} MiB: not a cache profile")
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise ConfigError(f"{name}: not a cache profile (not JSON)") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("version") != VERSION:
+        raise ConfigError(f"{name}: not a {FORMAT} v{VERSION} file")
+    if (doc.get("n_layer"), doc.get("n_expert")) != (n_layer, n_expert):
+        raise ConfigError(f"{name}: a profile for {doc.get('n_layer')} layers x {doc.get('n_expert')} experts, "
+                          f"this model has {n_layer} x {n_expert}")
+    layers = doc.get("layers")
+    if not isinstance(layers, dict):
+        raise ConfigError(f"{name}: no 'layers' object")
+    out: dict[int, np.ndarray] = {}
+    for key, values in layers.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) < n_layer):
+            raise ConfigError(f"{name}: layer {key!r} out of range (n_layer={n_layer})")
+        if (not isinstance(values, list) or len(values) != n_expert
+                or not all(isinstance(v, (int, float)) and math.isfinite(v) and 0 <= v <= 1 for v in values)):
+            raise ConfigError(f"{name}: layer {key}: expected {n_expert} rates in [0, 1]")
+        out[int(key)] = np.asarray(values, dtype=np.float64)
+    return out
