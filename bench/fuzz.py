@@ -77,6 +77,10 @@ class Target:
             vtype = field.types[0]
             if vtype not in (GGUFValueType.ARRAY, GGUFValueType.STRING):
                 self.scalars.append((at(field.parts[field.data[0]]), vtype))
+        self.keys: list[tuple[str, int]] = []  # (name, offset of the name's first byte)
+        for field in reader.fields.values():
+            if not field.name.startswith("GGUF.") and field.types[0] not in (GGUFValueType.ARRAY,):
+                self.keys.append((field.name, at(field.parts[1])))
         self.tensor_fields: list[tuple[int, int]] = []  # (offset, width) of dims, type, data offset
         for t in reader.tensors:
             parts = t.field.parts
@@ -108,6 +112,32 @@ class Target:
             value = rng.choice(_BOUNDARY + (rng.randrange(1 << 16),)) % (1 << (8 * width))
             return Case(index, self.arch, kind, offset, value.to_bytes(width, "little"))
         return Case(index, self.arch, "truncate", rng.randrange(0, self.size), b"")
+
+    def sweep(self, start: int) -> list[Case]:
+        """Each scalar key set to 0, 1 and its type's maximum (NaN for floats), and deleted (its
+        name changed in place, so llama.cpp no longer finds it)."""
+        from gguf import GGUFValueType
+
+        cases = []
+        by_offset = dict(self.scalars)
+        for name, name_at in self.keys:
+            if name == "general.architecture":
+                continue
+            value_at = next((o for o, _ in self.scalars if o > name_at), None)
+            vtype = by_offset.get(value_at)
+            if vtype is not None and name_at < value_at < name_at + len(name) + 16:
+                if vtype in (GGUFValueType.FLOAT32, GGUFValueType.FLOAT64):
+                    fmt = "<f" if vtype == GGUFValueType.FLOAT32 else "<d"
+                    values = [struct.pack(fmt, v) for v in (0.0, 1.0, float("nan"))]
+                else:
+                    width = {GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.BOOL: 1,
+                             GGUFValueType.UINT16: 2, GGUFValueType.INT16: 2, GGUFValueType.UINT64: 8,
+                             GGUFValueType.INT64: 8}.get(vtype, 4)
+                    values = [v.to_bytes(width, "little") for v in (0, 1, (1 << (8 * width)) - 1)]
+                for data in values:
+                    cases.append(Case(start + len(cases), self.arch, f"set {name}", value_at, data))
+            cases.append(Case(start + len(cases), self.arch, f"delete {name}", name_at, b"X"))
+        return cases
 
     def write(self, case: Case, out: Path) -> Path:
         shutil.copyfile(self.path, out)
@@ -252,8 +282,10 @@ class Pool:
                 proc.kill()
 
 
-def campaign(n_cases: int, seed: int, workers: int, archs: tuple[str, ...], folder: Path, *, isolate: bool = True) -> dict:
-    """Run ``n_cases`` seeded mutations; returns counts per class and the failures."""
+def campaign(n_cases: int, seed: int, workers: int, archs: tuple[str, ...], folder: Path, *, isolate: bool = True,
+             sweep: bool = False) -> dict:
+    """Run ``n_cases`` seeded mutations (or, ``sweep``, every scalar key of every arch set to 0, 1,
+    max and deleted); returns counts per class and the failures."""
     from bmoe.synth.tiny import TinySpec, write_tiny
 
     targets = []
@@ -262,7 +294,12 @@ def campaign(n_cases: int, seed: int, workers: int, archs: tuple[str, ...], fold
         targets.append(Target(path, arch))
     rng = random.Random(seed)
     jobs = []
-    for i in range(n_cases):
+    if sweep:
+        for target in targets:
+            for case in target.sweep(len(jobs)):
+                jobs.append((case, target.write(case, folder / f"case-{case.index}.gguf")))
+        n_cases = len(jobs)
+    for i in range(0 if sweep else n_cases):
         target = targets[i % len(targets)]
         case = target.mutate(rng, i)
         jobs.append((case, target.write(case, folder / f"case-{i}.gguf")))
@@ -294,11 +331,12 @@ def main() -> None:
     ap.add_argument("--arch", default="qwen3moe,gemma4")
     ap.add_argument("--no-isolate", action="store_true",
                     help="workers run without the first-open child (faster; a worker killed is re-run with it)")
+    ap.add_argument("--sweep", action="store_true", help="every scalar key set to 0, 1, max and deleted")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bmoe-fuzz-") as tmp:
         report = campaign(args.cases, args.seed, args.workers, tuple(args.arch.split(",")), Path(tmp),
-                          isolate=not args.no_isolate)
+                          isolate=not args.no_isolate, sweep=args.sweep)
     if args.json:
         print(json.dumps(report, indent=1))
         return

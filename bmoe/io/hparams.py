@@ -127,8 +127,9 @@ def check_hparams(first: ShardIndex, layout: ModelLayout) -> None:
     n_head_kv = keys.per_layer("attention.head_count_kv", n_layer, 1, None)
     n_head_kv = [kv if kv is not None else h for kv, h in zip(n_head_kv, n_head)]
     heads = _HeadSizes.of(keys, n_embd, n_head)
-    keys.per_layer("feed_forward_length", n_layer, 1, None)
+    n_ff = keys.per_layer("feed_forward_length", n_layer, 1, None)
     n_ff_exp = keys.per_layer("expert_feed_forward_length", n_layer, 1, None)
+    _check_shared_expert(keys, layout, n_ff[0])
     _check_layers(first, layout, n_layer)
     n_vocab = _check_vocab(first)
     _check_shapes(layout, n_embd, n_vocab, n_head, n_head_kv, heads, n_ff_exp)
@@ -144,6 +145,19 @@ def _check_sizes(keys: _Keys) -> None:
             continue
         if ("length" in key or "count" in key) and not 0 <= value <= MAX_SIZE:
             raise ModelFileError(f"{keys.path}: metadata key {key!r} is {value}, llama.cpp needs 0 to {MAX_SIZE}")
+
+
+def _check_shared_expert(keys: _Keys, layout: ModelLayout, n_ff: int | None) -> None:
+    """A shared expert (qwen2moe) is sized by expert_shared_feed_forward_length, else by
+    feed_forward_length: with neither above 0, llama.cpp sizes its tensors 0 and asserts."""
+    if not any(name.endswith("_shexp.weight") for name in layout.tensors):
+        return
+    width = keys.int("expert_shared_feed_forward_length", 0) or n_ff
+    if not width:
+        raise ModelFileError(
+            f"{keys.path}: the shared expert needs {keys.name('expert_shared_feed_forward_length')} "
+            f"(or {keys.name('feed_forward_length')}) above 0"
+        )
 
 
 def _check_eps(keys: _Keys) -> None:
