@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,16 @@ def greedy_on(model, n: int, prompt: str = PROMPT):  # noqa: ANN001, ANN201
         tokens.append(int(np.argmax(model.logits())))
         model.decode([tokens[-1]])
     return first, tokens
+
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """Every ``pytest.mark.asyncio`` test runs on both loops bmoe may run on (``bmoe.engine.aio``
+    picks uvloop when it is installed)."""
+    factories: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {"asyncio": asyncio.new_event_loop}
+    try:
+        import uvloop
+    except ImportError:
+        return factories
+    factories["uvloop"] = uvloop.new_event_loop
+    return factories

@@ -8,6 +8,8 @@ from bmoe.errors import BudgetError, ConfigError
 from bmoe.pipeline.cache import ExpertCache
 from bmoe.pipeline.policies import LruPolicy, make_policy
 
+pytestmark = pytest.mark.pure  # no model, no llama.cpp: `pytest -m pure` runs these in seconds
+
 ENTRY = {0: 100, 1: 100, 2: 100}
 
 

@@ -8,6 +8,8 @@ import pytest
 
 from bmoe.pipeline.channel import Channel, ChannelClosed
 
+pytestmark = pytest.mark.pure  # no model, no llama.cpp: `pytest -m pure` runs these in seconds
+
 
 @pytest.mark.asyncio
 async def test_items_arrive_in_order_and_close_ends_iteration() -> None:

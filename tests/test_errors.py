@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 import bmoe.errors as errors
+
+pytestmark = pytest.mark.pure  # no model, no llama.cpp: `pytest -m pure` runs these in seconds
 
 
 def drawn_tree() -> dict[str, str | None]:

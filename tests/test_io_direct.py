@@ -16,6 +16,8 @@ from bmoe.errors import ReadError
 from bmoe.io.direct import DIRECT_ALIGN, ShardReader
 from bmoe.io.regions import Region
 
+pytestmark = pytest.mark.pure  # no model, no llama.cpp: `pytest -m pure` runs these in seconds
+
 TENSOR_OFFSET = 3 * DIRECT_ALIGN + 1000  # where the "tensor" starts in the file: not aligned
 STRIDE = 5 * DIRECT_ALIGN + 333  # one "expert": straddles pages
 N_EXPERT = 6
@@ -258,6 +260,13 @@ def test_missing_shard(tmp_path: Path) -> None:
 
 
 def test_close_is_idempotent(data_file: tuple[Path, bytes]) -> None:
+    def open_fds() -> set[str]:
+        return set(os.listdir("/proc/self/fd"))
+
+    before = open_fds()
     reader = ShardReader([data_file[0]])
+    assert open_fds() - before, "the reader holds the shard open"
     reader.close()
-    reader.close()
+    assert open_fds() == before, "close gives every descriptor back"
+    reader.close()  # a second close is a no-op, not an error on a reused descriptor
+    assert open_fds() == before

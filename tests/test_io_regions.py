@@ -12,6 +12,8 @@ import pytest
 from bmoe.errors import BudgetError
 from bmoe.io.regions import Region, move_pages
 
+pytestmark = pytest.mark.pure  # no model, no llama.cpp: `pytest -m pure` runs these in seconds
+
 PAGE = mmap.PAGESIZE
 ALIGN = 4096
 

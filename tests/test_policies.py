@@ -16,6 +16,8 @@ from bmoe.pipeline.policies import (
 from bmoe.pipeline.simulate import SimResult, simulate
 from bmoe.pipeline.trace import RouteTrace, default_trace_path, read_trace
 
+pytestmark = pytest.mark.pure  # no model, no llama.cpp: `pytest -m pure` runs these in seconds
+
 MiB = 1 << 20
 SWEEP = (250, 500, 1000, 2000, 4000, 6000)  # MiB
 SHARED = default_trace_path()

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from bmoe.stages.predict import Predictor
+
+pytestmark = pytest.mark.pure  # no model, no llama.cpp: `pytest -m pure` runs these in seconds
 
 
 def test_predictions_are_trusted_only_while_recently_right() -> None:

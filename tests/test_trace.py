@@ -19,6 +19,8 @@ from bmoe.pipeline.trace import (
     read_trace,
 )
 
+pytestmark = pytest.mark.pure  # no model, no llama.cpp: `pytest -m pure` runs these in seconds
+
 SHARED = default_trace_path()
 needs_shared = pytest.mark.skipif(not SHARED.exists(), reason=f"shared trace not found at {SHARED}")
 

@@ -33,6 +33,7 @@ from gguf import GGUFValueType
 
 from bmoe.errors import ExpertLayoutError, ModelFileError
 from bmoe.io.layout import ModelLayout, ShardIndex
+from bmoe.io.recipes import RECIPES
 
 MAX_LAYERS = 512  # LLAMA_MAX_LAYERS, src/llama-hparams.h
 MAX_EXPERTS = 1024  # LLAMA_MAX_EXPERTS
@@ -76,7 +77,7 @@ class _Keys:
         full = self.name(key)
         if full not in self.index.keys:
             return default
-        if full in self.index.arrays:
+        if full in self.index.array_spans:
             return None
         value = self.index.metadata[full]
         if not isinstance(value, int) or isinstance(value, bool):
@@ -87,7 +88,7 @@ class _Keys:
     def per_layer(self, key: str, n_layer: int, lo: int, default: int | None) -> list[int | None]:
         """One value per layer, whether the key is a scalar or an array (llama.cpp's get_key_or_arr)."""
         full = self.name(key)
-        if full in self.index.arrays:
+        if full in self.index.array_spans:
             values = _read_int_array(self.index, full)
             if len(values) != n_layer:
                 raise ModelFileError(f"{self.path}: {full!r} has {len(values)} values for {n_layer} layers")
@@ -124,7 +125,9 @@ def check_hparams(first: ShardIndex, layout: ModelLayout) -> None:
     keys.int("expert_count", 1, MAX_EXPERTS)
     _check_eps(keys)
     n_head = keys.per_layer("attention.head_count", n_layer, 1, None)
-    n_head_kv = keys.per_layer("attention.head_count_kv", n_layer, 1, None)
+    # A hybrid that marks its recurrent blocks by 0 KV heads (lfm2moe) has zeros there by design.
+    kv_lo = 0 if RECIPES.get(layout.arch) is not None and RECIPES[layout.arch].recurrent_marker == "kv_heads" else 1
+    n_head_kv = keys.per_layer("attention.head_count_kv", n_layer, kv_lo, None)
     n_head_kv = [kv if kv is not None else h for kv, h in zip(n_head_kv, n_head)]
     heads = _HeadSizes.of(keys, n_embd, n_head)
     n_ff = keys.per_layer("feed_forward_length", n_layer, 1, None)
@@ -192,7 +195,8 @@ class _HeadSizes:
         if None in (k, v, rot, k_swa, v_swa, rot_swa):
             raise ModelFileError(f"{keys.path}: a head size or rope dimension key is an array")
         sizes = cls(k, v, rot, k_swa, v_swa, rot_swa)  # type: ignore[arg-type]
-        sizes.check(keys)
+        if keys.arch in _PLAIN_ATTENTION:  # MLA, gated or recurrent attention: their recipes check
+            sizes.check(keys)
         return sizes
 
     def check(self, keys: _Keys) -> None:
@@ -252,9 +256,9 @@ def _ranges(layers: list[int]) -> str:
 
 def _check_vocab(first: ShardIndex) -> int | None:
     """The vocabulary's size, after refusing a token string that appears twice."""
-    if _VOCAB_KEY not in first.arrays:
+    if _VOCAB_KEY not in first.array_spans:
         return None
-    etype, count, offset = first.arrays[_VOCAB_KEY]
+    etype, count, offset = first.array_spans[_VOCAB_KEY]
     if etype != GGUFValueType.STRING:
         raise ModelFileError(f"{first.path}: {_VOCAB_KEY} is not an array of strings")
     seen: dict[bytes, int] = {}
@@ -274,7 +278,7 @@ def _check_vocab(first: ShardIndex) -> int | None:
 
 
 def _read_int_array(index: ShardIndex, key: str) -> tuple[int, ...]:
-    etype, count, offset = index.arrays[key]
+    etype, count, offset = index.array_spans[key]
     code = _INTS.get(GGUFValueType(etype))
     if code is None:
         raise ModelFileError(f"{index.path}: metadata key {key!r} is an array of {GGUFValueType(etype).name}, not integers")
@@ -284,6 +288,11 @@ def _read_int_array(index: ShardIndex, key: str) -> tuple[int, ...]:
         f.seek(offset)
         fmt = f"<{count}{code}"
         return struct.unpack(fmt, f.read(struct.calcsize(fmt)))
+
+
+# Architectures whose attention projections are plain q/k/v/o of head_count x key_length: the
+# others (gated queries, MLA, sinks, recurrent blocks) have shapes their own recipes check.
+_PLAIN_ATTENTION = frozenset({"qwen3moe", "qwen2moe", "olmoe", "llama", "gemma4"})
 
 
 def _check_shapes(
@@ -312,7 +321,7 @@ def _check_shapes(
         want(b + "ffn_up_exps.weight", (n_embd, ff, layout.n_expert))
         want(b + "ffn_down_exps.weight", (ff, n_embd, layout.n_expert))
         want(b + "ffn_gate_up_exps.weight", (n_embd, None if ff is None else 2 * ff, layout.n_expert))
-        if heads is None or h is None or kv is None:
+        if heads is None or h is None or kv is None or layout.arch not in _PLAIN_ATTENTION:
             continue
         # Sliding-window layers (gemma4) have their own head size: either is accepted per layer.
         sizes = {(heads.k, heads.v), (heads.k_swa, heads.v_swa)}
