@@ -153,7 +153,9 @@ def _check_sizes(keys: _Keys) -> None:
 def _check_shared_expert(keys: _Keys, layout: ModelLayout, n_ff: int | None) -> None:
     """A shared expert (qwen2moe) is sized by expert_shared_feed_forward_length, else by
     feed_forward_length: with neither above 0, llama.cpp sizes its tensors 0 and asserts."""
-    if not any(name.endswith("_shexp.weight") for name in layout.tensors):
+    # Only qwen2moe sizes it this way (src/models/qwen2moe.cpp); others size theirs from the
+    # expert width and a shared-expert count, which their recipes check.
+    if layout.arch != "qwen2moe" or not any(name.endswith("_shexp.weight") for name in layout.tensors):
         return
     width = keys.int("expert_shared_feed_forward_length", 0) or n_ff
     if not width:
