@@ -62,6 +62,8 @@ def test_evicting_cache_equals_resident_and_the_budget_holds(tiny, wtype: str, p
             held["session"] = s
             out = []
             async for piece in s.stream(PROMPT, N_TOKENS, stop_at_end=False):
+                if piece.token is None:  # the final piece: finish reason and text flush
+                    continue
                 out.append(piece.token)
                 assert s.resident_cache_bytes <= budget, "between decode steps the budget holds"
             return out, s.last_stats
@@ -83,6 +85,8 @@ def test_recycled_pages_change_no_token_and_leak_none(tiny, budget: int) -> None
             out, excess = [], []
             edges = 2 * 4096 * len(s.layout.moe_layers) * BIG_EXPERTS.n_expert * 3
             async for piece in s.stream(PROMPT, N_TOKENS, stop_at_end=False):
+                if piece.token is None:
+                    continue
                 out.append(piece.token)
                 excess.append(s.expert_memory_bytes() - s.resident_cache_bytes - edges)
             return out, excess, s.last_stats
@@ -140,7 +144,7 @@ def test_without_recycling_tokens_and_memory_are_the_same(tiny, monkeypatch, how
 
     async def go():  # noqa: ANN202
         with Session.open(path, config(2 * MiB)) as s:
-            out = [piece.token async for piece in s.stream(PROMPT, N_TOKENS, stop_at_end=False)]
+            out = [p.token async for p in s.stream(PROMPT, N_TOKENS, stop_at_end=False) if p.token is not None]
             return out, s.last_stats, s.expert_memory_bytes() - s.resident_cache_bytes
 
     tokens, stats, excess = asyncio.run(go())
@@ -209,3 +213,22 @@ def test_csv_header_carries_the_configuration_and_one_row_per_token(tiny, tmp_pa
     assert [int(r["token"]) for r in rows] == result["tokens"]
     assert summary is not None and summary["n_tokens"] == 10
     assert float(rows[-1]["wall_ms"]) > 0
+
+
+def test_recycling_stops_before_the_mappings_run_out(tiny, monkeypatch) -> None:
+    """Page moves split mappings for good: once the process holds more than 3/5 of its limit,
+    recycling stops (reads fault pages in) and tokens stay the resident ones."""
+    import bmoe.stages.bind
+
+    monkeypatch.setattr(bmoe.stages.bind, "MAP_CHECK_EVERY", 1)
+    monkeypatch.setattr(bmoe.stages.bind, "map_count_limit", lambda: 10)  # any process holds more
+    path = tiny.path(BIG_EXPERTS)
+
+    async def go():  # noqa: ANN202
+        with Session.open(path, config(2 * MiB)) as s:
+            out = [p.token async for p in s.stream(PROMPT, N_TOKENS, stop_at_end=False) if p.token is not None]
+            return out, s.last_stats, s._streaming.residency.recycle
+
+    tokens, stats, recycle = asyncio.run(go())
+    assert tokens == tiny.resident_tokens(path)
+    assert recycle is False and 0 < stats.recycled_bytes, "one move, then no more"

@@ -67,6 +67,11 @@ def test_psi_and_fault_signals_shrink_an_eighth() -> None:
     faulting = sample(2.0, 8 * GiB, psi=0, faults=1000)
     out = decide(prev, faulting, budget=8 * GiB, resident=8 * GiB, ceiling=8 * GiB, settings=S, since_change_s=1e9)
     assert out is not None and out[0] == 7 * GiB and "500 major faults/s" in out[1]
+    held = decide(prev, stalled, budget=8 * GiB, resident=8 * GiB, ceiling=8 * GiB, settings=S, since_change_s=0.5)
+    assert held is None, "stalls alone shrink at most once per signal cooldown"
+    short = decide(prev, sample(1.0, 100 * MiB, psi=400_000), budget=8 * GiB, resident=8 * GiB, ceiling=8 * GiB,
+                   settings=S, since_change_s=0.0)
+    assert short is not None and short[0] == 8 * GiB - (1536 - 100) * MiB, "a shortfall is never held back"
     calm = sample(1.0, 8 * GiB, psi=100_000, faults=100)  # 10 %, 100/s: below both bars
     assert decide(prev, calm, budget=8 * GiB, resident=8 * GiB, ceiling=8 * GiB, settings=S, since_change_s=0) is None
     blind = sample(1.0, None, psi=None, faults=None)
@@ -156,6 +161,8 @@ def _squeezed_run(path, budget: int, squeeze_at: int, fake: FakeMemory, hooks: H
             guard.settings = GuardSettings(low=low, high=low + 4 * MiB, interval_s=0.0, cooldown_s=1e9)
             out, metrics = [], []
             async for piece in s.stream(PROMPT, N_TOKENS, stop_at_end=False):
+                if piece.token is None:  # the flush of a text ending mid-character
+                    continue
                 out.append(piece.token)
                 metrics.append(piece.metrics)
                 assert s.resident_cache_bytes <= s.budget_bytes
@@ -217,6 +224,8 @@ def test_a_real_squeeze_mid_generation_brings_the_budget_down(tiny) -> None:
             balloon = Balloon(1 * GiB, lock=False)
             try:
                 async for piece in s.stream(PROMPT, N_TOKENS, stop_at_end=False):
+                    if piece.token is None:
+                        continue
                     out.append(piece.token)
                     if len(out) == 6:
                         balloon.inflate()  # returns once every page is written

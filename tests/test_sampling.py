@@ -20,7 +20,7 @@ from bmoe.engine.stops import StopStrings
 from bmoe.errors import ConfigError
 from bmoe.synth.tiny import TinySpec
 from tests.conftest import PROMPT
-from tests.test_gates_stream import _skip_top_expert_of_layer0
+from tests.test_gates_stream import skip_top_expert
 
 RESIDENT = RunConfig(mode="resident", n_ctx=256)
 STREAM = RunConfig(mode="stream", n_ctx=256)
@@ -73,7 +73,7 @@ def test_seeded_sampling_streamed_equals_resident_and_seeds_matter(tiny) -> None
 
 def test_negative_control_missing_expert_changes_sampled_output(tiny) -> None:
     path = tiny.path(TinySpec())
-    assert sampled(path, STREAM, hooks=_skip_top_expert_of_layer0()) != sampled(path, RESIDENT)
+    assert sampled(path, STREAM, hooks=skip_top_expert()) != sampled(path, RESIDENT)
 
 
 def test_json_schema_output_parses_and_ends_with_the_grammar(tiny) -> None:

@@ -265,6 +265,9 @@ def _check_vocab(first: ShardIndex) -> int | None:
         raise ModelFileError(f"{first.path}: {_VOCAB_KEY} is not an array of strings")
     seen: dict[bytes, int] = {}
     with first.path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        # Only the header's pages: without this, a fault's readahead pulls in megabytes of the
+        # tensor data behind the vocabulary, and the cheap open is no longer cheap.
+        buf.madvise(mmap.MADV_RANDOM)
         pos = offset
         for i in range(count):  # bounds were checked by the index walk
             (n,) = struct.unpack_from("<Q", buf, pos)

@@ -13,7 +13,9 @@ signals and shrinks the budget when any appears, then grows it back once they ha
 - the process's major page faults per second, at or above ``fault_rate`` (its dense weights or
   code being read back after reclaim; expert reads are O_DIRECT and fault nothing).
 
-A shrink on PSI or faults alone gives up an eighth of the budget. Growth waits ``cooldown_s`` after
+A shrink on PSI or faults alone gives up an eighth of the budget, at most once per
+``signal_cooldown_s`` (while another program's memory is being reclaimed, every sample stalls:
+without it the budget would halve in six samples). Growth waits ``cooldown_s`` after
 any change and goes at most ``grow_step`` at a time, never past the ceiling (the budget at open).
 
 Pure: ``decide`` is arithmetic over two samples; the readers take their text or path from the
@@ -87,6 +89,7 @@ class GuardSettings:
     psi_fraction: float = 0.25
     fault_rate: float = 200.0  # major faults per second (800 KiB/s of 4 KiB pages)
     cooldown_s: float = 2.0
+    signal_cooldown_s: float = 1.0
     grow_step: int = 512 * MiB
     grow_min: int = 64 * MiB  # smaller growths are not worth a change
     interval_s: float = 0.25  # the least time between two samples
@@ -138,6 +141,9 @@ def decide(
             rate = (cur.major_faults - prev.major_faults) / dt
             if rate >= s.fault_rate:
                 signals.append(f"{rate:.0f} major faults/s")
+    short = free is not None and free < s.low
+    if signals and not short and since_change_s < s.signal_cooldown_s:
+        return None  # stalls or faults alone, and the budget moved just now: let that take effect
     if signals:
         give = max(budget // 8, s.high - free if free is not None else 0)
         new = max(floor, budget - give)

@@ -31,7 +31,9 @@ from bmoe.errors import ReadError, SeamMismatchError, as_bmoe_error
 from bmoe.io.direct import DIRECT_ALIGN
 from bmoe.io.ggml import GgmlTensor
 from bmoe.io.layout import ExpertTensor, ModelLayout
-from bmoe.io.regions import Region, move_pages, release_pages
+from bmoe.io.regions import Region, map_count, map_count_limit, move_pages, release_pages
+
+MAP_CHECK_EVERY = 1024  # page moves between two counts of the process's mappings (~10 ms at 40 000)
 from bmoe.pipeline.cache import Entry, Plan
 from bmoe.pipeline.channel import Channel
 from bmoe.pipeline.events import ExpertKey, ReadRequest, RoutingEvent
@@ -68,6 +70,7 @@ class Residency:
         self.shared = shared
         self.recycle = recycle and not shared
         self.recycled_bytes = 0
+        self._moves = 0
         self._experts: dict[int, tuple[ExpertTensor, ...]] = {
             il: layout.layer_experts(il) for il in layout.moe_layers
         }
@@ -175,6 +178,11 @@ class Residency:
             if not move_pages(donor[0], lo, n):
                 self.recycle = False  # refused once (old kernel, map count): fault from now on
                 return
+            self._moves += 1
+            if self._moves % MAP_CHECK_EVERY == 0 and map_count() > map_count_limit() * 3 // 5:
+                # Every move can split a mapping for good: stop before the process's mappings run
+                # out for llama.cpp and the allocator (a refused mmap there is a crash).
+                self.recycle = False
             donor[0] += n
             lo += n
             self.recycled_bytes += n
