@@ -33,6 +33,8 @@ CASES = {
     "block_count_more_than_tensors": ("qwen3moe", {"block_count": 3}, "block_count"),
     "used_over_count": ("qwen3moe", {"expert_used_count": 9}, "expert_used_count"),
     "qwen2moe_rope": ("qwen2moe", {"rope.dimension_count": 16}, "rope.dimension_count"),
+    "qwen2moe_shared_expert_0": ("qwen2moe", {"expert_shared_feed_forward_length": 0}, "shared expert"),
+    "per_layer_embd_overflow": ("gemma4", {"embedding_length_per_layer_input": 0x80000000}, "per_layer"),
     "gemma4_rope_0": ("gemma4", {"rope.dimension_count": 0}, "rope.dimension_count"),
     "gemma4_rope_odd": ("gemma4", {"rope.dimension_count": 15}, "rope.dimension_count"),
 }

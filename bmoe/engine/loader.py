@@ -68,7 +68,7 @@ from typing import Any
 
 import numpy as np
 
-from bmoe.engine.seam import llama_lib, model_params
+from bmoe.engine.seam import forget_llama_errors, llama_lib, model_params
 from bmoe.errors import LlamaCallError, ModelFileError, SeamError, as_bmoe_error
 from bmoe.io.ggml import GGML_MAX_SRC, GgmlTensor, libggml_base
 from bmoe.io.layout import ModelLayout, TensorSpan
@@ -252,6 +252,7 @@ def open_model(
     that cannot be built faithfully raises SeamError; ``auto`` falls back to ``mmap-drop`` then.
     """
     lib = llama_lib()
+    forget_llama_errors()  # a failure below quotes llama.cpp's own line, not an older one
     if mode == "auto":
         mode, reason = choose_open_mode(layout, streaming)
         forced = False
@@ -281,8 +282,15 @@ def open_model(
     model = lib.llama_model_load_from_file(str(layout.shards[0]).encode(), params)
     after = read_io_bytes()
     if not model:
-        raise LlamaCallError(f"llama.cpp could not load {layout.shards[0]}")
+        raise LlamaCallError(f"llama.cpp could not load {layout.shards[0]}{_why()}")
     return OpenedModel(model, mode, reason, _delta(before, after))
+
+
+def _why() -> str:
+    from bmoe.engine.seam import last_llama_error
+
+    line = last_llama_error()
+    return f": {line}" if line else ""
 
 
 def _delta(before: int | None, after: int | None) -> int | None:
@@ -352,7 +360,7 @@ def _gguf_context(layout: ModelLayout, fd: int, tie_output: bool) -> int:
     header = _header_bytes(layout, fd)
     ctx = g.gguf_init_from_buffer(header, len(header), _GgufInitParams(True, None))
     if not ctx:
-        raise ModelFileError(f"{layout.shards[0]}: llama.cpp's gguf reader refuses the header")
+        raise ModelFileError(f"{layout.shards[0]}: llama.cpp's gguf reader refuses the header{_why()}")
     try:
         extra = [s for s in layout.tensors.values() if s.shard != 0]
         if tie_output:

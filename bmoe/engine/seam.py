@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections import deque
 from functools import cache
 from typing import Any, Protocol
 
@@ -38,9 +39,19 @@ def llama_lib():  # noqa: ANN201 - the llama_cpp module, imported on first use, 
 
     llama_cpp.llama_backend_init()
     llama_cpp.llama_log_set(_quiet_log, None)
+    # ggml's own logger (the gguf reader's messages) is separate from llama's: quiet it too.
+    from bmoe.io.ggml import libggml_base
+
+    base = libggml_base()
+    base.ggml_log_set.restype = None
+    base.ggml_log_set.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    base.ggml_log_set(ctypes.cast(_quiet_log, ctypes.c_void_p), None)
     return llama_cpp
 
 
+# llama.cpp's error lines are kept, not printed: a failure becomes one bmoe line that quotes the
+# last of them (``last_llama_error``). ``bmoe -v`` (or BMOE_LLAMA_LOG=1) prints the whole log.
+_LLAMA_ERRORS: deque[str] = deque(maxlen=8)
 _LOG = {"all": False}
 
 
@@ -52,8 +63,27 @@ def set_llama_log(verbose: bool) -> None:
 
 
 def _filtered_log(level: int, text: bytes | None, _user: int | None) -> None:
-    if _LOG["all"] and text:
+    if not text:
+        return
+    if level >= GGML_LOG_LEVEL_ERROR:
+        line = text.decode(errors="replace").strip()
+        if line:
+            _LLAMA_ERRORS.append(line)
+    if _LOG["all"] or os.environ.get("BMOE_LLAMA_LOG"):
         os.write(2, text)
+
+
+def forget_llama_errors() -> None:
+    """Before a call whose failure will quote ``last_llama_error``: drop older lines."""
+    _LLAMA_ERRORS.clear()
+
+
+def last_llama_error() -> str:
+    """The most telling error line llama.cpp logged last (the first of its final burst), or ''."""
+    return _LLAMA_ERRORS[0] if len(_LLAMA_ERRORS) == 1 else next(
+        (line for line in _LLAMA_ERRORS if "error loading model:" in line or "gguf_init" in line),
+        _LLAMA_ERRORS[-1] if _LLAMA_ERRORS else "",
+    )
 
 
 _quiet_log = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(_filtered_log)

@@ -36,6 +36,10 @@ def _fill(fd: int, pos: int, stop: int, need: int, addr: int) -> int:
     return pos
 
 
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 class ShardReader:
     """Positioned reads of expert slices straight into a Region, O_DIRECT where the filesystem allows it.
 
@@ -48,11 +52,13 @@ class ShardReader:
         self._direct: list[int] | None = None
         self.mode = "buffered"
         self.fallback_reason: str | None = None
+        self._identity: list[tuple[int, int, int, int]] = []
         try:
             for path in self._paths:
                 self._fds.append(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
                 # Default readahead reads ~3x the slice for scattered expert reads.
                 os.posix_fadvise(self._fds[-1], 0, 0, os.POSIX_FADV_RANDOM)
+                self._identity.append(_identity(os.fstat(self._fds[-1])))
         except OSError as e:
             self.close()
             raise ReadError(f"{e.filename}: cannot open for reading: {e.strerror}") from e
@@ -114,15 +120,39 @@ class ShardReader:
         Under O_DIRECT, dest must be congruent to offset mod 4096: the aligned superset is read in
         place, so bytes just before dest and just after dest+nbytes are written too, with the
         file's own (neighbouring) bytes. Releases the GIL in the read; safe from several threads.
+
+        After the read, the file must still be the one opened (same inode, size and mtime, by
+        descriptor and by name): bytes of a file truncated, rewritten or replaced during the run
+        are refused rather than computed with the rest of the model as it was.
         """
         if self._direct is None:
-            return self._read(self._fds[shard], shard, offset, nbytes, offset, offset + nbytes, dest)
-        head = offset % DIRECT_ALIGN
-        if (dest - head) % DIRECT_ALIGN:
-            cause = f"O_DIRECT destination {dest:#x} not congruent to the offset mod {DIRECT_ALIGN}"
-            raise self._error(shard, offset, nbytes, cause)
-        stop = align_up(offset + nbytes, DIRECT_ALIGN)
-        return self._read(self._direct[shard], shard, offset, nbytes, offset - head, stop, dest - head)
+            n = self._read(self._fds[shard], shard, offset, nbytes, offset, offset + nbytes, dest)
+        else:
+            head = offset % DIRECT_ALIGN
+            if (dest - head) % DIRECT_ALIGN:
+                cause = f"O_DIRECT destination {dest:#x} not congruent to the offset mod {DIRECT_ALIGN}"
+                raise self._error(shard, offset, nbytes, cause)
+            stop = align_up(offset + nbytes, DIRECT_ALIGN)
+            n = self._read(self._direct[shard], shard, offset, nbytes, offset - head, stop, dest - head)
+        self.check_unchanged(shard)
+        return n
+
+    def check_unchanged(self, shard: int) -> None:
+        """Raise ``ReadError`` if the shard's file changed since it was opened (a few µs: two stats)."""
+        path = self._paths[shard]
+        try:
+            now, named = _identity(os.fstat(self._fds[shard])), _identity(os.stat(path))
+        except OSError as e:
+            raise ReadError(f"{path}: the model file went away during the run ({e.strerror})") from e
+        was = self._identity[shard]
+        if named[:2] != was[:2]:
+            raise ReadError(f"{path}: the model file was replaced during the run (a new file under its name)")
+        if now != was:
+            what = "truncated" if now[2] < was[2] else "rewritten"
+            raise ReadError(
+                f"{path}: the model file was {what} during the run (size {was[2]} -> {now[2]} bytes, "
+                "mtime changed); its bytes no longer match the model loaded"
+            )
 
     def _read(self, fd: int, shard: int, offset: int, nbytes: int, start: int, stop: int, addr: int) -> int:
         """Read [start, stop) of the file to addr; the slice [offset, offset+nbytes) must be covered."""
@@ -132,6 +162,7 @@ class ShardReader:
         except OSError as e:
             raise self._error(shard, offset, nbytes, e.strerror) from e
         if reached < end:
+            self.check_unchanged(shard)  # a file cut during the run says so
             raise self._error(shard, offset, nbytes, f"file ends at {reached}")
         return reached - start
 

@@ -111,9 +111,13 @@ def _bounded(path: object, key: str, value: int, lo: int, hi: int | None) -> Non
         raise ModelFileError(f"{path}: metadata key {key!r} is {value}, llama.cpp needs {span}")
 
 
+MAX_SIZE = 1 << 24  # any length or count above this makes a tensor bigger than any file, or overflows
+
+
 def check_hparams(first: ShardIndex, layout: ModelLayout) -> None:
     """Refuse, as one line, every generic hyperparameter llama.cpp would assert on or spin with."""
     keys = _Keys(first, layout.arch)
+    _check_sizes(keys)
     n_layer = keys.int("block_count", 1, MAX_LAYERS)
     assert n_layer is not None  # build_layout required it as a scalar
     n_embd = keys.int("embedding_length", 1)
@@ -126,11 +130,39 @@ def check_hparams(first: ShardIndex, layout: ModelLayout) -> None:
     n_head_kv = keys.per_layer("attention.head_count_kv", n_layer, kv_lo, None)
     n_head_kv = [kv if kv is not None else h for kv, h in zip(n_head_kv, n_head)]
     heads = _HeadSizes.of(keys, n_embd, n_head)
-    keys.per_layer("feed_forward_length", n_layer, 1, None)
+    n_ff = keys.per_layer("feed_forward_length", n_layer, 1, None)
     n_ff_exp = keys.per_layer("expert_feed_forward_length", n_layer, 1, None)
+    _check_shared_expert(keys, layout, n_ff[0])
     _check_layers(first, layout, n_layer)
     n_vocab = _check_vocab(first)
     _check_shapes(layout, n_embd, n_vocab, n_head, n_head_kv, heads, n_ff_exp)
+
+
+def _check_sizes(keys: _Keys) -> None:
+    """Every integer length or count of the architecture within [0, 2^24]: llama.cpp multiplies
+    them in 32 bits (gemma4's per-layer embedding length times the layer count, for one), and a
+    product that wraps negative sizes a tensor below 1 (the loader's ``ne[dim] >= 1`` assert)."""
+    prefix = keys.arch + "."
+    for key, value in keys.index.metadata.items():
+        if not key.startswith(prefix) or isinstance(value, bool) or not isinstance(value, int):
+            continue
+        if ("length" in key or "count" in key) and not 0 <= value <= MAX_SIZE:
+            raise ModelFileError(f"{keys.path}: metadata key {key!r} is {value}, llama.cpp needs 0 to {MAX_SIZE}")
+
+
+def _check_shared_expert(keys: _Keys, layout: ModelLayout, n_ff: int | None) -> None:
+    """A shared expert (qwen2moe) is sized by expert_shared_feed_forward_length, else by
+    feed_forward_length: with neither above 0, llama.cpp sizes its tensors 0 and asserts."""
+    # Only qwen2moe sizes it this way (src/models/qwen2moe.cpp); others size theirs from the
+    # expert width and a shared-expert count, which their recipes check.
+    if layout.arch != "qwen2moe" or not any(name.endswith("_shexp.weight") for name in layout.tensors):
+        return
+    width = keys.int("expert_shared_feed_forward_length", 0) or n_ff
+    if not width:
+        raise ModelFileError(
+            f"{keys.path}: the shared expert needs {keys.name('expert_shared_feed_forward_length')} "
+            f"(or {keys.name('feed_forward_length')}) above 0"
+        )
 
 
 def _check_eps(keys: _Keys) -> None:

@@ -35,6 +35,17 @@ class ReadinessBoard:
         else:
             fut.set_result(nbytes or 0)
 
+    def abandon(self, error: BaseException) -> int:
+        """Fail every read still in flight; returns how many. Called when the stage that owed
+        them ends (a decode aborted mid-read): a future left pending would be found by the next
+        decode as "a hit still being read" and waited on forever."""
+        pending = [(k, f) for k, f in self._inflight.items() if not f.done()]
+        self._inflight.clear()
+        for _, fut in pending:
+            fut.set_exception(error)
+            fut.exception()  # retrieved: an abandoned read is not an unhandled error
+        return len(pending)
+
     def future(self, key: ExpertKey) -> asyncio.Future[int] | None:
         """The future of the read of ``key`` in flight, if there is one."""
         return self._inflight.get(key)

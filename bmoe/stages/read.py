@@ -126,8 +126,14 @@ class ReadStage:
                     finally:
                         idle -= 1
                     continue
+                work = loop.run_in_executor(self._lanes, self._read_batch, [r for r, _ in batch])
                 try:
-                    outcomes = await loop.run_in_executor(self._lanes, self._read_batch, [r for r, _ in batch])
+                    outcomes = await asyncio.shield(work)
+                except asyncio.CancelledError:
+                    # The lane thread cannot be stopped mid-read: wait until its bytes have landed,
+                    # so no read writes into a slot after the stage (and the slot's owner) moved on.
+                    await _settle(work)
+                    raise
                 except Exception as exc:  # noqa: BLE001 - the hand-off itself failed: every read did
                     outcomes = [exc] * len(batch)
                 for (request, ready), outcome in zip(batch, outcomes):
@@ -136,10 +142,16 @@ class ReadStage:
                     else:
                         self._landed(request, ready, outcome)
 
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(feed())
-            for _ in range(self._n_lanes):
-                tg.create_task(lane())
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(feed())
+                for _ in range(self._n_lanes):
+                    tg.create_task(lane())
+        finally:
+            # Whatever this decode's stage still owed (queued, or on a lane when a failure or a
+            # cancel stopped it) fails now, so its cache entry is forgotten; the next decode reads
+            # it again instead of waiting for a completion that will never come.
+            self._board.abandon(ReadError("read abandoned: the decode that needed it stopped"))
 
     def _fail(self, request: ReadRequest, ready: asyncio.Future[int], exc: BaseException) -> None:
         if not isinstance(exc, ReadError):
@@ -155,3 +167,14 @@ class ReadStage:
         if request.speculative:
             self.counters.speculative_bytes += n
         self._board.complete(request.key, ready, n, None)
+
+
+async def _settle(work: asyncio.Future) -> None:
+    """Wait for ``work`` to finish whatever cancels arrive meanwhile; its outcome is not wanted."""
+    while not work.done():
+        try:
+            await asyncio.shield(work)
+        except BaseException:  # noqa: BLE001 - a repeated cancel, or the work's own error
+            continue
+    if not work.cancelled():
+        work.exception()
