@@ -168,7 +168,7 @@ def test_progress_counts_every_tensor(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("bad", [
-    dict(arch="llama"),
+    dict(arch="grovemoe"),  # no recipe
     dict(wtype="q4_0"),
     dict(n_layer=0),
     dict(arch="gemma4", n_layer=1),
