@@ -45,13 +45,6 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-m", "--model", type=Path, required=True, help="GGUF file (shard 1 of a split set)")
     _prompt_flags(p)
     p.add_argument("-n", "--n-predict", type=_tokens, default=64, help="tokens to generate")
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--stream", dest="mode", action="store_const", const="stream",
-                      help="read routed experts from disk on demand (default)")
-    mode.add_argument("--resident", dest="mode", action="store_const", const="resident",
-                      help="plain llama.cpp: the whole file mapped, nothing streamed")
-    p.add_argument("--io-threads", type=_io_threads, default=2, help="I/O lanes for expert reads")
-    p.add_argument("--no-odirect", action="store_true", help="buffered reads instead of O_DIRECT")
     _common_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--progress", action="store_true", help="one JSON line of metrics per token on stderr")
@@ -160,6 +153,15 @@ def _cache_mb(text: str) -> float | None:
 
 
 def _common_flags(p: argparse.ArgumentParser) -> None:
+    """The engine flags of every command that opens a model (run, chat, serve), declared once."""
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--stream", dest="mode", action="store_const", const="stream",
+                      help="read routed experts from disk on demand (default)")
+    mode.add_argument("--resident", dest="mode", action="store_const", const="resident",
+                      help="plain llama.cpp: the whole file mapped, nothing streamed")
+    p.add_argument("--io-threads", type=_io_threads, default=2, help="I/O lanes for expert reads")
+    p.add_argument("--no-odirect", action="store_true", help="buffered reads instead of O_DIRECT")
+    p.set_defaults(mode="stream")
     p.add_argument("--cache-mb", type=_cache_mb, default=0.0,
                    help="expert cache budget in MiB, or 'auto' (0 = off: every routed expert read)")
     p.add_argument("--cache-ceil-mb", type=_mib, default=None, help="upper bound for the budget")
@@ -193,13 +195,6 @@ def _chat_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--system", default=None, help="system message")
     p.add_argument("--no-think", action="store_true",
                    help="ask a thinking model to answer without reasoning first (enable_thinking=false)")
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--stream", dest="mode", action="store_const", const="stream",
-                      help="read routed experts from disk on demand (default)")
-    mode.add_argument("--resident", dest="mode", action="store_const", const="resident",
-                      help="plain llama.cpp: the whole file mapped, nothing streamed")
-    p.add_argument("--io-threads", type=_io_threads, default=2, help="I/O lanes for expert reads")
-    p.add_argument("--no-odirect", action="store_true", help="buffered reads instead of O_DIRECT")
     _common_flags(p)
     _sampling_flags(p)
     _verbosity_flags(p)
@@ -222,18 +217,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                        formatter_class=_Help)
     p.add_argument("-m", "--model", type=Path, required=True, help="GGUF file (shard 1 of a split set)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
-    p.add_argument("--port", type=int, default=8080, help="port (0: any free one, printed at start)")
+    p.add_argument("--port", type=_number(int, 0, 65535, "a port"), default=8080, help="port (0: any free one, printed at start)")
     p.add_argument("--api-key", default=os.environ.get("BMOE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health (or $BMOE_API_KEY)")
-    p.add_argument("--queue", type=int, default=8,
+    p.add_argument("--queue", type=_number(int, 0, 10_000, "a queue length"), default=8,
                    help="requests that may wait for their turn; more get 503 with Retry-After")
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--stream", dest="mode", action="store_const", const="stream",
-                      help="read routed experts from disk on demand (default)")
-    mode.add_argument("--resident", dest="mode", action="store_const", const="resident",
-                      help="plain llama.cpp: the whole file mapped, nothing streamed")
-    p.add_argument("--io-threads", type=int, default=2, help="I/O lanes for expert reads")
-    p.add_argument("--no-odirect", action="store_true", help="buffered reads instead of O_DIRECT")
     _common_flags(p)
     _verbosity_flags(p)
     p.set_defaults(mode="stream", func=_cmd_serve)
