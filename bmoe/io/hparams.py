@@ -334,9 +334,12 @@ def _check_shapes(
         want(b + "attn_k.weight", *[(n_embd, kv * k) for k, _ in sizes])
         want(b + "attn_v.weight", *[(n_embd, kv * v) for _, v in sizes])
         want(b + "attn_output.weight", *[(h * v, n_embd) for _, v in sizes])
-        # Per head (qwen3moe, gemma4) or over all heads at once (olmoe).
-        want(b + "attn_q_norm.weight", *[(k,) for k, _ in sizes], *[(h * k,) for k, _ in sizes])
-        want(b + "attn_k_norm.weight", *[(k,) for k, _ in sizes], *[(kv * k,) for k, _ in sizes])
+        if layout.arch == "olmoe":  # olmoe.cpp: q and k norms span the whole n_embd
+            want(b + "attn_q_norm.weight", (n_embd,))
+            want(b + "attn_k_norm.weight", (n_embd,))
+        else:
+            want(b + "attn_q_norm.weight", *[(k,) for k, _ in sizes])
+            want(b + "attn_k_norm.weight", *[(k,) for k, _ in sizes])
     for name, shapes in expected.items():
         span = layout.tensors.get(name)
         if span is not None and span.ne not in shapes:
