@@ -52,6 +52,10 @@ class RunConfig:
     # Resident mode only: install the eval callback that filters nodes but streams nothing, to
     # measure what the callback itself costs.
     eval_filter: bool = False
+    # Lossy levers (bmoe.engine.lossy): off by default; any of them on makes the run's output a
+    # different model's, and every figure it reports says so (``lossy: true`` and the flags).
+    # Top-K experts per token instead of the file's own k (1..k, checked against the file at open).
+    n_expert_used: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -89,6 +93,12 @@ class RunConfig:
             raise ConfigError("overlap applies to streamed runs: use mode='stream'")
         if self.eval_filter and self.mode != "resident":
             raise ConfigError("eval_filter measures the callback alone and needs mode='resident'")
+
+        self._check_lossy()
+
+    def _check_lossy(self) -> None:
+        if self.n_expert_used is not None and self.n_expert_used < 1:
+            raise ConfigError(f"n_expert_used must be at least 1, got {self.n_expert_used}")
 
     def validate(self) -> RunConfig:
         """The config itself: it was validated when it was made (kept for callers that chain it)."""

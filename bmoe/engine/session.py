@@ -22,6 +22,7 @@ import numpy as np
 from bmoe.engine.callback import Capture, Consumption, EvalCallback
 from bmoe.engine.config import RunConfig
 from bmoe.engine.loader import OpenedModel, capture_weights, open_model
+from bmoe.engine.lossy import load_overrides
 from bmoe.engine.seam import LlamaModel
 from bmoe.engine.streaming import Streamer
 from bmoe.errors import BmoeError, ConfigError, SeamMismatchError, first_error
@@ -99,12 +100,16 @@ class Session:
         config = (config or RunConfig()).validate()
         io_before = read_io_bytes()
         layout = open_layout(path)
+        overrides = load_overrides(layout, config)  # lossy levers applied at load; a no-op when off
+        layout = overrides.layout
         if config.route_trace is not None:
             check_output(config.route_trace, "route_trace", layout.shards)
         streaming = config.mode == "stream"
         if streaming:
             check_overhead()
-        opened = open_model(layout, streaming=streaming, mode=config.open_mode if streaming else "mmap")
+        opened = open_model(
+            layout, streaming=streaming, mode=config.open_mode if streaming else "mmap", mparams=overrides.params,
+        )
         callback = EvalCallback(RoutingGate())
         model = LlamaModel(
             opened, n_ctx=config.n_ctx, n_threads=config.threads, callback=callback,

@@ -1,0 +1,72 @@
+"""Opt-in lossy levers: speed bought with exactness, off by default and labelled wherever they show.
+
+Everything else in bmoe is lossless (streamed == resident, byte for byte). A lever here changes the
+model's computation, so its output is a different model's output; ``bmoe quality`` measures how
+different, beside how much faster.
+
+``n_expert_used`` (top-K instead of the file's own k) is a key-value override of
+``<arch>.expert_used_count`` handed to llama.cpp at load (``llama_model_params.kv_overrides``, the
+public parameter; both open paths, ``llama_model_load_from_file`` and ``init_from_user``, pass it to
+the model loader, which reads every hparam through it). llama.cpp then builds each MoE layer with
+``argsort_top_k(probs, K)``, so the K highest-probability experts are used and the weight
+normalisation (where the architecture has one) runs over those K. The layout's ``n_expert_used``
+follows K, so the cache's working set and the budgets are sized for what is really read.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from typing import Any
+
+from bmoe.engine.config import RunConfig
+from bmoe.engine.seam import llama_lib, model_params
+from bmoe.errors import ConfigError
+from bmoe.io.layout import ModelLayout
+from bmoe.io.recipes import recipe_for
+
+
+def lossy_flags(config: RunConfig) -> list[str]:
+    """The command-line spelling of every lossy lever ``config`` turns on (empty: exact run)."""
+    flags = []
+    if config.n_expert_used is not None:
+        flags += ["--n-expert-used", str(config.n_expert_used)]
+    return flags
+
+
+def lossy_label(config: RunConfig) -> dict[str, object]:
+    """What every figure of a run carries: ``lossy`` and, when true, the flags that made it so."""
+    flags = lossy_flags(config)
+    return {"lossy": bool(flags), "lossy_flags": " ".join(flags) if flags else None}
+
+
+@dataclasses.dataclass
+class LoadOverrides:
+    """The layout as the levers change it, and the model params that make llama.cpp agree.
+
+    ``params`` points into ``_keep`` (the override array): keep this object alive until the
+    model is loaded."""
+
+    layout: ModelLayout
+    params: Any | None  # llama_cpp.llama_model_params, or None: load as the file says
+    _keep: list[Any] = dataclasses.field(default_factory=list, repr=False)
+
+
+def load_overrides(layout: ModelLayout, config: RunConfig) -> LoadOverrides:
+    """Apply ``config``'s load-time levers to ``layout``; a K outside 1..k is a ConfigError."""
+    k = config.n_expert_used
+    if k is None:
+        return LoadOverrides(layout, None)
+    key = recipe_for(layout.arch).key("expert_used_count")
+    if not 1 <= k <= layout.n_expert_used:
+        raise ConfigError(
+            f"n_expert_used must be 1..{layout.n_expert_used} (the file's {key}), got {k}"
+        )
+    lib = llama_lib()
+    overrides = (lib.llama_model_kv_override * 2)()  # the second, zeroed, ends the list (key[0] == 0)
+    overrides[0].key = key.encode()
+    overrides[0].tag = lib.LLAMA_KV_OVERRIDE_TYPE_INT
+    overrides[0].value.val_i64 = k
+    params = model_params()
+    params.kv_overrides = ctypes.cast(overrides, ctypes.POINTER(lib.llama_model_kv_override))
+    return LoadOverrides(dataclasses.replace(layout, n_expert_used=k), params, [overrides])
