@@ -69,6 +69,14 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
                    help="predict the next layer's experts with its router and read them ahead (needs a cache)")
     p.add_argument("-t", "--threads", type=int, default=None, help="compute threads")
     p.add_argument("-c", "--ctx", type=int, default=2048, help="context length")
+    _lossy_cli(p)
+
+
+def _lossy_cli(p: argparse.ArgumentParser) -> None:
+    """The opt-in lossy levers (bmoe.engine.lossy spells them; every figure then says lossy)."""
+    from bmoe.engine.lossy import add_lossy_flags
+
+    add_lossy_flags(p)
 
 
 def _chat_parser(sub: argparse._SubParsersAction) -> None:
@@ -151,11 +159,19 @@ def _config(args: argparse.Namespace) -> RunConfig:
         overlap=args.overlap,
         prefetch_layers=args.prefetch,
         predict_prefetch=args.predict_prefetch,
+        **_lossy_config(args),
     ).validate()
+
+
+def _lossy_config(args: argparse.Namespace) -> dict[str, object]:
+    from bmoe.engine.lossy import lossy_fields
+
+    return lossy_fields(args)
 
 
 async def _generate(model: Path, config: RunConfig, prompt: str, n: int, *, echo: bool,
                     progress: bool = False, csv_path: Path | None = None) -> dict:
+    from bmoe.engine.lossy import lossy_label
     from bmoe.engine.session import Session
     from bmoe.metrics.sinks import CsvSink, ProgressSink
 
@@ -195,6 +211,7 @@ async def _generate(model: Path, config: RunConfig, prompt: str, n: int, *, echo
                     "io_fallback_reason": session.io_fallback_reason,
                     "budget_how": session.budget_how,
                     "open_reason": session.open_reason,
+                    **lossy_label(config),
                     **stats.as_dict(),
                 }
                 for sink in sinks:
@@ -218,7 +235,8 @@ def _summary(r: dict) -> str:
     def num(v: float | None, fmt: str) -> str:
         return "unmeasured" if v is None else format(v, fmt)
 
-    line = f"[{r['mode']}] {r['n_tokens']} tokens, {num(r['tok_per_s'], '.2f')} tok/s"
+    lossy = f" LOSSY {r['lossy_flags']}" if r.get("lossy") else ""
+    line = f"[{r['mode']}{lossy}] {r['n_tokens']} tokens, {num(r['tok_per_s'], '.2f')} tok/s"
     if r["mode"] == "stream":
         line += (
             f", experts read {r['experts_read']}, {r['bytes_read'] / MiB:.1f} MiB read"
@@ -466,6 +484,8 @@ _LAZY = {
               "measure resident, mmap and streamed runs of one model side by side"),
     "synth": ("bmoe.synth.big", "add_synth_command",
               "write a random MoE GGUF with a real model's shapes (fast, any size)"),
+    "quality": ("bmoe.quality", "add_quality_command",
+                "measure a lossy lever: agreement and KL vs the exact run, tok/s of both"),
 }
 
 

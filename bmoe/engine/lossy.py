@@ -15,15 +15,45 @@ follows K, so the cache's working set and the budgets are sized for what is real
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import dataclasses
-from typing import Any
+import shlex
+from typing import Any, NoReturn
 
 from bmoe.engine.config import RunConfig
 from bmoe.engine.seam import llama_lib, model_params
 from bmoe.errors import ConfigError
 from bmoe.io.layout import ModelLayout
 from bmoe.io.recipes import recipe_for
+
+
+def add_lossy_flags(p: argparse.ArgumentParser) -> None:
+    """The levers' command-line flags, spelt once here so that ``lossy_flags`` (the label every
+    figure carries) and ``bmoe quality --lossy "FLAGS"`` read them the same way."""
+    g = p.add_argument_group("lossy levers (opt-in: the output is no longer the model's exact output)")
+    g.add_argument("--n-expert-used", type=int, default=None, metavar="K",
+                   help="use the top K experts per token instead of the file's own k (1..k)")
+
+
+def lossy_fields(args: argparse.Namespace) -> dict[str, object]:
+    """The RunConfig fields the flags of ``add_lossy_flags`` set."""
+    return {"n_expert_used": args.n_expert_used}
+
+
+def parse_lossy(text: str) -> dict[str, object]:
+    """RunConfig fields from a flag string like ``"--n-expert-used 4"``; a bad one is a ConfigError."""
+    parser = _FlagParser(prog="--lossy", add_help=False)
+    add_lossy_flags(parser)
+    fields = lossy_fields(parser.parse_args(shlex.split(text)))
+    if all(v is None for v in fields.values()):
+        raise ConfigError(f"--lossy {text!r} turns no lossy lever on")
+    return fields
+
+
+class _FlagParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"--lossy: {message}")
 
 
 def lossy_flags(config: RunConfig) -> list[str]:

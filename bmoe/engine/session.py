@@ -13,7 +13,7 @@ import asyncio
 import codecs
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -168,11 +168,15 @@ class Session:
         return self._model.chat_template()
 
     async def stream(
-        self, prompt: str, max_tokens: int = 64, *, stop_at_end: bool = True, special: bool = False
+        self, prompt: str, max_tokens: int = 64, *, stop_at_end: bool = True, special: bool = False,
+        forced: Sequence[int] | None = None,
     ) -> AsyncIterator[Piece]:
         """Greedy generation, one Piece per token; cancel it, or break and close it, at any point.
 
         ``special`` parses control-token text in the prompt (a chat template's markers) as tokens.
+        ``forced`` replaces the greedy choice by these tokens, in order (teacher forcing: what
+        ``bmoe quality`` feeds a lossy run so that its logits answer the same contexts as the exact
+        run's); ``logits()`` holds the scores each Piece was chosen from until the next step.
 
         One generation runs at a time: a second waits until the first has finished or been closed
         (a generator abandoned by ``break`` is closed by the event loop shortly after).
@@ -187,6 +191,8 @@ class Session:
                 f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceed the context "
                 f"({self._model.n_ctx}); raise n_ctx"
             )
+        if forced is not None and len(forced) < max_tokens:
+            raise ConfigError(f"forced holds {len(forced)} tokens, fewer than max_tokens ({max_tokens})")
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
@@ -204,7 +210,7 @@ class Session:
                 m = await self._measured_decode(batches, 0, PHASE_PREFILL, 0)
                 stats.prefill_s = m.wall_s
                 for i in range(max_tokens):
-                    token = int(np.argmax(self._model.logits()))
+                    token = int(np.argmax(self._model.logits())) if forced is None else forced[i]
                     if stop_at_end and self._model.is_end(token):
                         break
                     stats.generated_tokens += 1
@@ -219,6 +225,11 @@ class Session:
                     yield Piece(None, tail)
             finally:
                 self._finish_stats(stats, start)
+
+    def logits(self) -> np.ndarray:
+        """Scores of the last decoded position over the vocabulary (a view, valid until the next
+        decode: copy it to keep it)."""
+        return self._model.logits()
 
     async def generate(self, prompt: str, max_tokens: int = 64, *, stop_at_end: bool = True) -> Generation:
         out = Generation()
