@@ -212,6 +212,7 @@ async def _generate(model: Path, config: RunConfig, prompt: str, n: int, *, echo
                     "budget_how": session.budget_how,
                     "open_reason": session.open_reason,
                     **lossy_label(config),
+                    **session.lossy_counters(),
                     **stats.as_dict(),
                 }
                 for sink in sinks:

@@ -8,6 +8,7 @@ check and the annotation cannot drift apart.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass
 from typing import Literal, get_args
@@ -56,6 +57,11 @@ class RunConfig:
     # different model's, and every figure it reports says so (``lossy: true`` and the flags).
     # Top-K experts per token instead of the file's own k (1..k, checked against the file at open).
     n_expert_used: int | None = None
+    # Drop a routed expert that is a cache miss and weighs less than F x (1/k) of the layer's routed
+    # mass (never the top one; bmoe.engine.drop_cold). None = off; 0.0 runs the machinery, drops nothing.
+    drop_cold_experts: float | None = None
+    drop_renorm: bool = True  # survivors scaled back to the original routed mass
+    drop_prefill: bool = False  # also drop during prefill (decode only by default)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -99,6 +105,14 @@ class RunConfig:
     def _check_lossy(self) -> None:
         if self.n_expert_used is not None and self.n_expert_used < 1:
             raise ConfigError(f"n_expert_used must be at least 1, got {self.n_expert_used}")
+        f = self.drop_cold_experts
+        if f is None:
+            if not self.drop_renorm or self.drop_prefill:
+                raise ConfigError("drop_renorm / drop_prefill tune drop_cold_experts: set it too")
+        elif not (math.isfinite(f) and f >= 0):
+            raise ConfigError(f"drop_cold_experts must be a finite fraction >= 0, got {f}")
+        elif self.mode != "stream" or self.cache_bytes == 0:
+            raise ConfigError("drop_cold_experts drops cache misses: stream with a cache budget (cache_bytes)")
 
     def validate(self) -> RunConfig:
         """The config itself: it was validated when it was made (kept for callers that chain it)."""

@@ -22,10 +22,12 @@ import shlex
 from typing import Any, NoReturn
 
 from bmoe.engine.config import RunConfig
+from bmoe.engine.drop_cold import DropCold, DropColdCallback
 from bmoe.engine.seam import llama_lib, model_params
 from bmoe.errors import ConfigError
 from bmoe.io.layout import ModelLayout
 from bmoe.io.recipes import recipe_for
+from bmoe.pipeline.gate import RoutingGate
 
 
 def add_lossy_flags(p: argparse.ArgumentParser) -> None:
@@ -34,11 +36,20 @@ def add_lossy_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("lossy levers (opt-in: the output is no longer the model's exact output)")
     g.add_argument("--n-expert-used", type=int, default=None, metavar="K",
                    help="use the top K experts per token instead of the file's own k (1..k)")
+    g.add_argument("--drop-cold-experts", type=float, default=None, metavar="F",
+                   help="at decode, skip a routed expert that is a cache miss and weighs < F/k "
+                        "(never the top one; needs a cache)")
+    g.add_argument("--drop-no-renorm", action="store_true",
+                   help="with --drop-cold-experts: keep the survivors' weights (default: renormalise)")
+    g.add_argument("--drop-prefill", action="store_true", help="with --drop-cold-experts: drop in prefill too")
 
 
 def lossy_fields(args: argparse.Namespace) -> dict[str, object]:
     """The RunConfig fields the flags of ``add_lossy_flags`` set."""
-    return {"n_expert_used": args.n_expert_used}
+    return {
+        "n_expert_used": args.n_expert_used, "drop_cold_experts": args.drop_cold_experts,
+        "drop_renorm": not args.drop_no_renorm, "drop_prefill": args.drop_prefill,
+    }
 
 
 def parse_lossy(text: str) -> dict[str, object]:
@@ -46,7 +57,7 @@ def parse_lossy(text: str) -> dict[str, object]:
     parser = _FlagParser(prog="--lossy", add_help=False)
     add_lossy_flags(parser)
     fields = lossy_fields(parser.parse_args(shlex.split(text)))
-    if all(v is None for v in fields.values()):
+    if fields["n_expert_used"] is None and fields["drop_cold_experts"] is None:
         raise ConfigError(f"--lossy {text!r} turns no lossy lever on")
     return fields
 
@@ -61,6 +72,10 @@ def lossy_flags(config: RunConfig) -> list[str]:
     flags = []
     if config.n_expert_used is not None:
         flags += ["--n-expert-used", str(config.n_expert_used)]
+    if config.drop_cold_experts is not None:
+        flags += ["--drop-cold-experts", f"{config.drop_cold_experts:g}"]
+        flags += [] if config.drop_renorm else ["--drop-no-renorm"]
+        flags += ["--drop-prefill"] if config.drop_prefill else []
     return flags
 
 
@@ -100,3 +115,12 @@ def load_overrides(layout: ModelLayout, config: RunConfig) -> LoadOverrides:
     params = model_params()
     params.kv_overrides = ctypes.cast(overrides, ctypes.POINTER(lib.llama_model_kv_override))
     return LoadOverrides(dataclasses.replace(layout, n_expert_used=k), params, [overrides])
+
+
+def lossy_callback(gate: RoutingGate, layout: ModelLayout, config: RunConfig) -> DropColdCallback | None:
+    """The eval callback the node-level levers need, or None: the plain one serves (no extra test
+    per node when they are off)."""
+    if config.drop_cold_experts is None:
+        return None
+    drop = DropCold(layout, config.drop_cold_experts, renorm=config.drop_renorm, prefill=config.drop_prefill)
+    return DropColdCallback(gate, drop)

@@ -22,7 +22,8 @@ import numpy as np
 from bmoe.engine.callback import Capture, Consumption, EvalCallback
 from bmoe.engine.config import RunConfig
 from bmoe.engine.loader import OpenedModel, capture_weights, open_model
-from bmoe.engine.lossy import load_overrides
+from bmoe.engine.drop_cold import DropColdCallback
+from bmoe.engine.lossy import load_overrides, lossy_callback
 from bmoe.engine.seam import LlamaModel
 from bmoe.engine.streaming import Streamer
 from bmoe.errors import BmoeError, ConfigError, SeamMismatchError, first_error
@@ -110,7 +111,8 @@ class Session:
         opened = open_model(
             layout, streaming=streaming, mode=config.open_mode if streaming else "mmap", mparams=overrides.params,
         )
-        callback = EvalCallback(RoutingGate())
+        gate = RoutingGate()
+        callback = lossy_callback(gate, layout, config) or EvalCallback(gate)
         model = LlamaModel(
             opened, n_ctx=config.n_ctx, n_threads=config.threads, callback=callback,
             install=streaming or config.eval_filter,
@@ -128,6 +130,8 @@ class Session:
                 if config.predict_prefetch:
                     predictor = Predictor(load_routers(layout), layout.n_expert_used)
                     callback.predictor = streamer.prefetch.predictor = predictor
+                if isinstance(callback, DropColdCallback):
+                    callback.drop.bind(streamer.residency.maps)
                 callback.streaming = True
                 if config.route_trace is not None:
                     recorder = RouteRecorder(config.route_trace, layout, _run_line(config, streamer))
@@ -148,6 +152,11 @@ class Session:
         if io_before is not None and io_after is not None:
             session.open_bytes_read = io_after - io_before  # the index, the model, any capture
         return session
+
+    def lossy_counters(self) -> dict[str, object]:
+        """What the lossy levers did so far this session (empty when none that counts is on)."""
+        cb = self._callback
+        return cb.drop.counters() if isinstance(cb, DropColdCallback) else {}
 
     @property
     def io_mode(self) -> str | None:
