@@ -62,6 +62,9 @@ class RunConfig:
     drop_cold_experts: float | None = None
     drop_renorm: bool = True  # survivors scaled back to the original routed mass
     drop_prefill: bool = False  # also drop during prefill (decode only by default)
+    # Route MoE layer L from the hidden state N MoE layers earlier, its experts read N layers ahead
+    # (bmoe.engine.route_ahead). None = off; 0 installs the machinery as a passthrough.
+    route_ahead: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -113,6 +116,16 @@ class RunConfig:
             raise ConfigError(f"drop_cold_experts must be a finite fraction >= 0, got {f}")
         elif self.mode != "stream" or self.cache_bytes == 0:
             raise ConfigError("drop_cold_experts drops cache misses: stream with a cache budget (cache_bytes)")
+        n = self.route_ahead
+        if n is not None:
+            if not 0 <= n <= 64:
+                raise ConfigError(f"route_ahead must be 0..64 MoE layers, got {n}")
+            if self.mode != "stream" or self.cache_bytes == 0:
+                raise ConfigError("route_ahead reads experts ahead into the cache: stream with a cache budget (cache_bytes)")
+            if self.prefetch_layers or self.predict_prefetch:
+                raise ConfigError("route_ahead already reads ahead: drop prefetch_layers / predict_prefetch")
+            if f is not None:
+                raise ConfigError("route_ahead and drop_cold_experts both rewrite the routing: pick one")
 
     def validate(self) -> RunConfig:
         """The config itself: it was validated when it was made (kept for callers that chain it)."""

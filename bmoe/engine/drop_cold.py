@@ -146,7 +146,7 @@ class DropColdCallback(EvalCallback):
 
     def __init__(self, gate: RoutingGate, drop: DropCold) -> None:
         super().__init__(gate)
-        self.drop = drop
+        self.drop = self.lever = drop
         self.c_eval = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p)(
             self._eval_drop
         )

@@ -23,11 +23,13 @@ from typing import Any, NoReturn
 
 from bmoe.engine.config import RunConfig
 from bmoe.engine.drop_cold import DropCold, DropColdCallback
+from bmoe.engine.route_ahead import RouteAhead, RouteAheadCallback
 from bmoe.engine.seam import llama_lib, model_params
 from bmoe.errors import ConfigError
 from bmoe.io.layout import ModelLayout
 from bmoe.io.recipes import recipe_for
 from bmoe.pipeline.gate import RoutingGate
+from bmoe.stages.predict import load_routers
 
 
 def add_lossy_flags(p: argparse.ArgumentParser) -> None:
@@ -42,6 +44,9 @@ def add_lossy_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--drop-no-renorm", action="store_true",
                    help="with --drop-cold-experts: keep the survivors' weights (default: renormalise)")
     g.add_argument("--drop-prefill", action="store_true", help="with --drop-cold-experts: drop in prefill too")
+    g.add_argument("--route-ahead", type=int, default=None, metavar="N",
+                   help="route each MoE layer from the hidden state N layers earlier and read its "
+                        "experts that far ahead (needs a cache; excludes --prefetch/--predict-prefetch)")
 
 
 def lossy_fields(args: argparse.Namespace) -> dict[str, object]:
@@ -49,6 +54,7 @@ def lossy_fields(args: argparse.Namespace) -> dict[str, object]:
     return {
         "n_expert_used": args.n_expert_used, "drop_cold_experts": args.drop_cold_experts,
         "drop_renorm": not args.drop_no_renorm, "drop_prefill": args.drop_prefill,
+        "route_ahead": args.route_ahead,
     }
 
 
@@ -57,7 +63,7 @@ def parse_lossy(text: str) -> dict[str, object]:
     parser = _FlagParser(prog="--lossy", add_help=False)
     add_lossy_flags(parser)
     fields = lossy_fields(parser.parse_args(shlex.split(text)))
-    if fields["n_expert_used"] is None and fields["drop_cold_experts"] is None:
+    if all(fields[f] is None for f in ("n_expert_used", "drop_cold_experts", "route_ahead")):
         raise ConfigError(f"--lossy {text!r} turns no lossy lever on")
     return fields
 
@@ -76,6 +82,8 @@ def lossy_flags(config: RunConfig) -> list[str]:
         flags += ["--drop-cold-experts", f"{config.drop_cold_experts:g}"]
         flags += [] if config.drop_renorm else ["--drop-no-renorm"]
         flags += ["--drop-prefill"] if config.drop_prefill else []
+    if config.route_ahead is not None:
+        flags += ["--route-ahead", str(config.route_ahead)]
     return flags
 
 
@@ -117,9 +125,14 @@ def load_overrides(layout: ModelLayout, config: RunConfig) -> LoadOverrides:
     return LoadOverrides(dataclasses.replace(layout, n_expert_used=k), params, [overrides])
 
 
-def lossy_callback(gate: RoutingGate, layout: ModelLayout, config: RunConfig) -> DropColdCallback | None:
+def lossy_callback(
+    gate: RoutingGate, layout: ModelLayout, config: RunConfig,
+) -> DropColdCallback | RouteAheadCallback | None:
     """The eval callback the node-level levers need, or None: the plain one serves (no extra test
-    per node when they are off)."""
+    per node when they are off). The config allows at most one of them."""
+    if config.route_ahead is not None:
+        routers = load_routers(layout) if config.route_ahead else {}
+        return RouteAheadCallback(gate, RouteAhead(layout, config.route_ahead, routers))
     if config.drop_cold_experts is None:
         return None
     drop = DropCold(layout, config.drop_cold_experts, renorm=config.drop_renorm, prefill=config.drop_prefill)

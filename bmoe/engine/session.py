@@ -155,8 +155,8 @@ class Session:
 
     def lossy_counters(self) -> dict[str, object]:
         """What the lossy levers did so far this session (empty when none that counts is on)."""
-        cb = self._callback
-        return cb.drop.counters() if isinstance(cb, DropColdCallback) else {}
+        lever = getattr(self._callback, "lever", None)
+        return lever.counters() if lever is not None else {}
 
     @property
     def io_mode(self) -> str | None:
