@@ -32,7 +32,9 @@ def test_shipped_prompts_are_several_nonempty_lines() -> None:
 
 
 def test_parse_lossy_reads_the_run_flags_and_refuses_the_rest() -> None:
-    assert parse_lossy("--n-expert-used 3") == {"n_expert_used": 3}
+    assert parse_lossy("--n-expert-used 3")["n_expert_used"] == 3
+    fields = parse_lossy("--drop-cold-experts 0.75 --drop-no-renorm --route-ahead 2")
+    assert (fields["drop_cold_experts"], fields["drop_renorm"], fields["route_ahead"]) == (0.75, False, 2)
     with pytest.raises(ConfigError, match="--lossy"):
         parse_lossy("--n-expert-used three")
     with pytest.raises(ConfigError, match="turns no lossy lever on"):
@@ -42,6 +44,10 @@ def test_parse_lossy_reads_the_run_flags_and_refuses_the_rest() -> None:
 def test_labels() -> None:
     assert lossy_label(RunConfig()) == {"lossy": False, "lossy_flags": None}
     assert lossy_label(RunConfig(n_expert_used=2)) == {"lossy": True, "lossy_flags": "--n-expert-used 2"}
+    both = RunConfig(mode="stream", cache_bytes=1 << 20, drop_cold_experts=0.5, drop_renorm=False, drop_prefill=True)
+    assert lossy_label(both)["lossy_flags"] == "--drop-cold-experts 0.5 --drop-no-renorm --drop-prefill"
+    # the label reads back as the same levers
+    assert RunConfig(mode="stream", cache_bytes=1 << 20, **parse_lossy(lossy_label(both)["lossy_flags"])) == both
 
 
 def _compare(tiny, k: int):  # noqa: ANN001, ANN202
@@ -81,3 +87,23 @@ def test_cli_bad_lever_is_one_line(tiny, flags: str) -> None:
     proc = bmoe("quality", path, "--lossy", flags, "-n", "3", "--max-prompts", "1")
     assert proc.returncode == 1
     assert proc.stderr.startswith("bmoe: error: ") and proc.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("flags,msg", [
+    (["--drop-cold-experts", "0.5"], "stream with a cache budget"),
+    (["--route-ahead", "1", "--cache-mb", "8", "--predict-prefetch"], "already reads ahead"),
+    (["--drop-no-renorm"], "set it too"),
+])
+def test_cli_run_refuses_nonsense_levers_in_one_line(tiny, flags: list[str], msg: str) -> None:
+    proc = bmoe("run", "-m", str(tiny.path(SPEC)), "-p", "Hello", "-n", "2", *flags)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("bmoe: error: ") and proc.stderr.count("\n") == 1 and msg in proc.stderr
+
+
+def test_cli_run_json_reports_drops(tiny) -> None:
+    proc = bmoe("run", "-m", str(tiny.path(SPEC)), "-p", "Hello", "-n", "4", "--json", "-c", "64",
+                "--cache-mb", "1", "--drop-cold-experts", "4")
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    assert r["lossy"] is True and r["lossy_flags"] == "--drop-cold-experts 4"
+    assert r["drop_tokens"] == 3 and r["drop_dropped_experts"] > 0 and r["drop_bytes_saved"] > 0
