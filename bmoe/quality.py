@@ -5,7 +5,7 @@ side by side and take turns prompt by prompt, so both see the same machine load.
 the shipped set (``quality_prompts.txt``) both continue greedily (timed; which goes first
 alternates from prompt to prompt); the lossy run is then fed the exact run's tokens (teacher
 forcing, untimed), so that at every position both answer the same context and their scores can be
-compared:
+compared (after an untimed warm-up of both on the first prompt):
 
 - next-token agreement: the share of positions where the lossy run's greedy choice is the exact one;
 - KL divergence KL(exact || lossy) of the two softmax distributions, per position (mean and max),
@@ -130,6 +130,8 @@ async def compare(model: Path, exact: RunConfig, lossy: RunConfig, prompts: list
         raise ConfigError(f"quality needs at least 2 tokens per prompt, got {n}")
     report = QualityReport(str(model), exact, lossy, n)
     with Session.open(model, exact) as s_exact, Session.open(model, lossy) as s_lossy:
+        for session in (s_exact, s_lossy):  # untimed warm-up: the first prompt's bytes met once by both
+            await _run_prompt(session, prompts[0], n, None)
         for i, prompt in enumerate(prompts):
             # Timed: both free-running, the first to run alternating, since whichever runs first
             # on a prompt meets its experts' bytes cold in every cache below ours (the device's,

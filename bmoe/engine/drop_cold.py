@@ -38,6 +38,7 @@ import ctypes
 import numpy as np
 
 from bmoe.engine.callback import EvalCallback, _router_weights, _routed_ids
+from bmoe.errors import SeamMismatchError
 from bmoe.io.ggml import NAME_OFFSET, GgmlTensor
 from bmoe.io.layout import ModelLayout
 from bmoe.pipeline.events import PHASE_DECODE
@@ -178,6 +179,10 @@ class DropColdCallback(EvalCallback):
             if not ask:
                 self.drop.on_weights(node, int(tail))
             return True
+        if what == b"weights_softmax":
+            # gpt-oss style gating: a softmax over the selected experts' logits, where a zeroed
+            # logit still gets weight. Not supported: refuse rather than compute something else.
+            raise SeamMismatchError("drop_cold_experts: this architecture re-softmaxes the selected weights; unsupported")
         if what == b"weights_sum" and not self.drop.renorm:
             if not ask:
                 self.drop.on_sum(node, int(tail))

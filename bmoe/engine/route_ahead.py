@@ -31,6 +31,7 @@ import ctypes
 import numpy as np
 
 from bmoe.engine.callback import EvalCallback, _routed_ids
+from bmoe.errors import SeamMismatchError
 from bmoe.io.ggml import NAME_OFFSET, GgmlTensor
 from bmoe.io.layout import ModelLayout
 from bmoe.pipeline.gate import RoutingGate
@@ -54,7 +55,8 @@ class RouteAhead:
         self.distance = distance
         self.k = layout.n_expert_used
         layers = sorted(routers)
-        self._target = dict(zip(layers, layers[distance:])) if distance else {}
+        self._target = dict(zip(layers, layers[distance:])) if distance else {}  # source -> target
+        self._targets = frozenset(self._target.values())
         self._routers = routers
         # target layer -> ids [tokens, k]; always refreshed at the source layer's logits, which
         # precede the target's topk in every graph, so an aborted step leaves nothing stale behind
@@ -86,6 +88,8 @@ class RouteAhead:
         layer, ids = _routed_ids(node)
         ahead = self._pending.pop(layer, None)
         if ahead is None:
+            if layer in self._targets:
+                raise SeamMismatchError(f"route_ahead: no router input seen {self.distance} MoE layers before layer {layer}")
             return
         if ahead.shape[0] > ids.shape[0]:
             # The graph's last layer keeps only the rows whose logits are asked for (llama.cpp's
