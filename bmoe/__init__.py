@@ -1,5 +1,47 @@
-"""bmoe: run Mixture-of-Experts GGUF models bigger than RAM by reading routed experts from disk."""
+"""bmoe: run Mixture-of-Experts GGUF models bigger than RAM by reading routed experts from disk.
+
+The public face is importable from here (``from bmoe import Session, SyncSession, RunConfig,
+SamplingParams``); each name loads its module on first use, so ``import bmoe`` stays cheap (no
+numpy, no llama.cpp) for a CLI that only prints its help.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from bmoe._version import __version__
 
-__all__ = ["__version__"]
+_PUBLIC = {
+    "Session": "bmoe.engine.session",
+    "SyncSession": "bmoe.engine.sync",
+    "RunConfig": "bmoe.engine.config",
+    "SamplingParams": "bmoe.engine.sampling",
+    "Generation": "bmoe.engine.session",
+    "Piece": "bmoe.engine.session",
+    "Usage": "bmoe.engine.session",
+    "BmoeError": "bmoe.errors",
+    "SessionClosedError": "bmoe.errors",
+}
+
+__all__ = ["__version__", *_PUBLIC]
+
+if TYPE_CHECKING:
+    from bmoe.engine.config import RunConfig
+    from bmoe.engine.sampling import SamplingParams
+    from bmoe.engine.session import Generation, Piece, Session, Usage
+    from bmoe.engine.sync import SyncSession
+    from bmoe.errors import BmoeError, SessionClosedError
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'bmoe' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

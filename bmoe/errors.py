@@ -22,6 +22,7 @@ of them into a one-line message and exit status 1.
     +-- RegionError               expert memory could not be released or unmapped (madvise, munmap)
     +-- ConfigError               a RunConfig value out of range
     |   +-- OutputPathError       an output path that is an input, a folder, or not writable
+    +-- SessionClosedError        a call on a session that was closed (no native call is made)
     +-- DecodeAbortedError        a decode was stopped; its tokens were not emitted
         +-- GenerationCancelled   the caller cancelled the generation
 """
@@ -103,6 +104,10 @@ class ConfigError(BmoeError):
 
 class OutputPathError(ConfigError):
     pass
+
+
+class SessionClosedError(BmoeError):
+    """The session was closed: its model and context are gone, so the call cannot be made."""
 
 
 class DecodeAbortedError(BmoeError):

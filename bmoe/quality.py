@@ -112,7 +112,8 @@ class QualityReport:
         }
 
 
-async def _run_prompt(session: Session, prompt: str, n: int, forced: list[int] | None):  # noqa: ANN202
+async def _run_prompt(session: Session, prompt: str, n: int, forced: list[int] | None = None):  # noqa: ANN202
+    """Greedy (or ``forced``): the tokens, the scores each was chosen from, the generation's stats."""
     tokens, logits = [], []
     async for piece in session.stream(prompt, n, stop_at_end=False, forced=forced):
         if piece.token is not None:
@@ -128,23 +129,26 @@ async def compare(model: Path, exact: RunConfig, lossy: RunConfig, prompts: list
         raise ConfigError("the prompt set is empty")
     if n < 2:
         raise ConfigError(f"quality needs at least 2 tokens per prompt, got {n}")
+    # Every prompt evaluated from its first token by both: a reused prefix would compute the
+    # prompt in other batches than the exact run did, and the scores would differ in their last bits.
+    exact, lossy = replace(exact, reuse_prompt=False), replace(lossy, reuse_prompt=False)
     report = QualityReport(str(model), exact, lossy, n)
     with Session.open(model, exact) as s_exact, Session.open(model, lossy) as s_lossy:
         for session in (s_exact, s_lossy):  # untimed warm-up: the first prompt's bytes met once by both
-            await _run_prompt(session, prompts[0], n, None)
+            await _run_prompt(session, prompts[0], n)
         for i, prompt in enumerate(prompts):
             # Timed: both free-running, the first to run alternating, since whichever runs first
             # on a prompt meets its experts' bytes cold in every cache below ours (the device's,
             # a VM host's) and the second rereads many of the same slices.
             if i % 2:
-                lossy_stats = (await _run_prompt(s_lossy, prompt, n, None))[2]
-            tokens, exact_logits, exact_stats = await _run_prompt(s_exact, prompt, n, None)
+                lossy_stats = (await _run_prompt(s_lossy, prompt, n))[2]
+            tokens, exact_logits, exact_stats = await _run_prompt(s_exact, prompt, n)
             if not i % 2:
-                lossy_stats = (await _run_prompt(s_lossy, prompt, n, None))[2]
+                lossy_stats = (await _run_prompt(s_lossy, prompt, n))[2]
             report.exact_side.add(exact_stats)
             report.lossy_side.add(lossy_stats)
             # Untimed: the lossy run forced along the exact tokens, for the scores.
-            _, lossy_logits, _ = await _run_prompt(s_lossy, prompt, n, tokens)
+            lossy_logits = (await _run_prompt(s_lossy, prompt, n, tokens))[1]
             report.agree += (lossy_logits.argmax(axis=-1) == np.asarray(tokens)).tolist()
             report.kl += kl_divergence(exact_logits, lossy_logits).tolist()
             report.prompts += 1

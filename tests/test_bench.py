@@ -20,7 +20,8 @@ from bmoe.io import probe
 from bmoe.synth.tiny import TinySpec, write_tiny
 
 KEYS = ("device_read_mb_s", "stream_cache_off_read_mb_s", "resident_tok_s", "mmap_tok_s", "stream_tok_s",
-        "all_cached_tok_s", "p1_all_cached_over_resident", "p2_read_over_device", "p3_stream_over_mmap")
+        "all_cached_tok_s", "p1_all_cached_over_resident", "p2_read_over_device", "p3_stream_over_mmap",
+        "mmap_norepack_tok_s", "stock_tok_s", "stream_auto_tok_s", "p3_auto_over_mmap")
 LOCK = 64 * MiB
 
 
@@ -93,8 +94,9 @@ def test_bench_json_and_files_under_a_ram_limit(model: Path, tmp_path: Path, mon
     limit = limit_of(model)
     inject_memory(monkeypatch, int(limit * GiB) + LOCK)  # so the balloon locks a real 64 MiB
     out = tmp_path / "report"
-    args = parse([str(model), "--tokens", "4", "--warmup", "2", "-t", "1", "--ram-limit", str(limit), "--json",
-                  "--out", str(out), "--plot", str(tmp_path / "p.png")])
+    args = parse([str(model), "--tokens", "6", "--warmup", "2", "-t", "1", "--ram-limit", str(limit), "--json",
+                  "--out", str(out), "--plot", str(tmp_path / "p.png"), "--budgets", "1,4", "--squeeze", "0.03125",
+                  "--ttft", "5,50", "--stock-timeout", "600"])
     assert args.func(args) == 0
     result = json.loads(capsys.readouterr().out)
 
@@ -105,7 +107,20 @@ def test_bench_json_and_files_under_a_ram_limit(model: Path, tmp_path: Path, mon
     assert set(KEYS) <= set(result["how"])
     assert result["identical_tokens"] is True
     assert {r["id"] for r in result["runs"]} >= {"resident", "mmap", "stream_off", "stream_below_ws",
-                                                  "stream_half_bank", "all_cached", "overlap"}
+                                                  "stream_half_bank", "all_cached", "overlap", "stream_auto",
+                                                  "mmap_norepack", "sweep_1", "sweep_4", "squeeze"}
+    assert result["mmap_norepack_tok_s"] == result["resident_tok_s"], "the file fits: resident is the baseline"
+    assert result["p3_stream_over_mmap"] == round(result["stream_tok_s"] / result["mmap_norepack_tok_s"], 3)
+    assert result["stock_tok_s"] == result["mmap_tok_s"]
+    ttft = result["ttft_s"]
+    assert len(ttft) == 2 and all(v > 0 for v in ttft.values())
+    assert [int(k) for k in ttft] == sorted(int(k) for k in ttft) and 2 <= int(next(iter(ttft))) <= 5
+    assert [(r["budget_mb"], r["status"]) for r in result["budget_sweep"]] == [(1.0, "measured"), (4.0, "measured")]
+    assert all(r["tok_per_s"] > 0 and r["hit_pct"] is not None for r in result["budget_sweep"])
+    sq = result["squeeze"]
+    for key in ("tok_per_s_before", "tok_per_s_after", "budget_bytes_before", "budget_bytes_after"):
+        assert sq[key] is not None and sq[key] > 0, key
+    assert sq["started_after_token"] == 3 and "squeeze" in result["how"]
     assert result["runs"][[r["id"] for r in result["runs"]].index("all_cached")]["hit_pct"] == 100.0
     assert [p["lanes"] for p in result["probe"]] == [1, 2, 4, 8]
     assert result["machine"]["cores"] and result["machine"]["kernel"] and result["machine"]["cpu_model"]
@@ -147,7 +162,7 @@ def test_unmeasured_figures_are_null_with_reasons(model: Path, tmp_path: Path, m
     inject_memory(monkeypatch, 64 * MiB)
 
     def fake(run: harness.Run, *_a: object) -> None:
-        if run.kind == "mmap":
+        if run.kind == "mmap" or run.id == "mmap_norepack":
             run.error = "child killed by signal 9 (out of memory?)"
             return
         run.result = {"tokens": [1, 2, 3, 4], "open_s": 0.1, "peak_rss_bytes": 50 * MiB, "disk_read_bytes": MiB,
@@ -161,9 +176,12 @@ def test_unmeasured_figures_are_null_with_reasons(model: Path, tmp_path: Path, m
     rows = {r["id"]: r for r in result["runs"]}
     assert rows["resident"]["status"] == "skipped" and "exceed" in rows["resident"]["notes"]
     assert rows["mmap"]["status"] == "failed"
+    assert rows["mmap_norepack"]["status"] == "failed", "run when the file does not fit: it is the baseline"
     for key in ("resident_tok_s", "mmap_tok_s", "all_cached_tok_s", "p1_all_cached_over_resident",
-                "p3_stream_over_mmap"):
+                "p3_stream_over_mmap", "stock_tok_s", "mmap_norepack_tok_s"):
         assert result[key] is None and result["notes"][key], key
+    assert "killed" in result["notes"]["stock_tok_s"]
+    assert result["budget_sweep"] == [] and result["squeeze"] is None and "--squeeze" in result["notes"]["squeeze"]
     assert result["stream_tok_s"] == 5.0 and result["stream_cache_off_read_mb_s"] == 40.0
     assert (tmp_path / "bench.png").exists() and (tmp_path / "bench.csv").exists()
 

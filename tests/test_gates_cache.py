@@ -13,6 +13,7 @@ import pytest
 from bmoe.engine.config import MiB, RunConfig
 from bmoe.engine.session import Session
 from bmoe.metrics.sinks import read_csv
+from bmoe.errors import BudgetError
 from bmoe.pipeline.hooks import Hooks
 from bmoe.synth.tiny import TinySpec
 from tests.conftest import N_TOKENS, PROMPT
@@ -61,6 +62,8 @@ def test_evicting_cache_equals_resident_and_the_budget_holds(tiny, wtype: str, p
             held["session"] = s
             out = []
             async for piece in s.stream(PROMPT, N_TOKENS, stop_at_end=False):
+                if piece.token is None:  # the final piece: finish reason and text flush
+                    continue
                 out.append(piece.token)
                 assert s.resident_cache_bytes <= budget, "between decode steps the budget holds"
             return out, s.last_stats
@@ -70,7 +73,7 @@ def test_evicting_cache_equals_resident_and_the_budget_holds(tiny, wtype: str, p
     assert stats.cache_evictions > 0 and held["layers"] > N_TOKENS, "the per-layer check really ran"
 
 
-@pytest.mark.parametrize("budget", [0, 2 * MiB])
+@pytest.mark.parametrize("budget", [2 * MiB])
 def test_recycled_pages_change_no_token_and_leak_none(tiny, budget: int) -> None:
     """Misses take over evicted experts' pages (holding another expert's bytes until the read
     lands); RAM must still hold only what the cache accounts for, plus the edge pages experts
@@ -82,6 +85,8 @@ def test_recycled_pages_change_no_token_and_leak_none(tiny, budget: int) -> None
             out, excess = [], []
             edges = 2 * 4096 * len(s.layout.moe_layers) * BIG_EXPERTS.n_expert * 3
             async for piece in s.stream(PROMPT, N_TOKENS, stop_at_end=False):
+                if piece.token is None:
+                    continue
                 out.append(piece.token)
                 excess.append(s.expert_memory_bytes() - s.resident_cache_bytes - edges)
             return out, excess, s.last_stats
@@ -90,6 +95,34 @@ def test_recycled_pages_change_no_token_and_leak_none(tiny, budget: int) -> None
     assert tokens == tiny.resident_tokens(path)
     assert stats.recycled_bytes > 0 and stats.cache_evictions > 0, "pages were moved, not faulted"
     assert max(excess) <= 0, f"expert memory beyond the cache's account: {max(excess)} bytes"
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "gemma4"])
+def test_cache_off_reads_into_one_layer_of_shared_slots_that_stay_populated(tiny, arch: str) -> None:
+    """Cache off: every layer's reads land in the same slots, whose pages stay: after the first
+    tokens nothing is faulted or moved, memory is at most one layer's bank, tokens are resident's."""
+    import resource
+
+    spec = TinySpec(arch=arch, n_embd=256, n_ff=256, n_layer=3)
+    path = tiny.path(spec)
+
+    async def go():  # noqa: ANN202
+        with Session.open(path, config(0)) as s:
+            await s.generate(PROMPT, 4, stop_at_end=False)  # touches the slots
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            g = await s.generate(PROMPT, N_TOKENS, stop_at_end=False)
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+            layer_bank = max(s.layout.entry_bytes().values()) * spec.n_expert
+            with pytest.raises(BudgetError, match="opened with the cache off"):
+                s.set_cache_budget(8 * MiB)
+            return g, faults, s.expert_memory_bytes(), layer_bank
+
+    g, faults, memory, layer_bank = asyncio.run(go())
+    assert g.tokens == tiny.resident_tokens(path)
+    assert g.stats.experts_read > N_TOKENS and g.stats.recycled_bytes == 0
+    assert memory <= layer_bank + 2 * 3 * 4096 * 3, "one layer's slots (and their slack pages), not the bank"
+    # Measured here: 2 faults; the per-layer regions with page recycling made about 10 000.
+    assert faults < 3000, f"reads landed in fresh pages: {faults} minor faults"
 
 
 @pytest.mark.parametrize("how", ["map count too small", "kernel refuses the third move"])
@@ -111,7 +144,7 @@ def test_without_recycling_tokens_and_memory_are_the_same(tiny, monkeypatch, how
 
     async def go():  # noqa: ANN202
         with Session.open(path, config(2 * MiB)) as s:
-            out = [piece.token async for piece in s.stream(PROMPT, N_TOKENS, stop_at_end=False)]
+            out = [p.token async for p in s.stream(PROMPT, N_TOKENS, stop_at_end=False) if p.token is not None]
             return out, s.last_stats, s.expert_memory_bytes() - s.resident_cache_bytes
 
     tokens, stats, excess = asyncio.run(go())
@@ -180,3 +213,22 @@ def test_csv_header_carries_the_configuration_and_one_row_per_token(tiny, tmp_pa
     assert [int(r["token"]) for r in rows] == result["tokens"]
     assert summary is not None and summary["n_tokens"] == 10
     assert float(rows[-1]["wall_ms"]) > 0
+
+
+def test_recycling_stops_before_the_mappings_run_out(tiny, monkeypatch) -> None:
+    """Page moves split mappings for good: once the process holds more than 3/5 of its limit,
+    recycling stops (reads fault pages in) and tokens stay the resident ones."""
+    import bmoe.stages.bind
+
+    monkeypatch.setattr(bmoe.stages.bind, "MAP_CHECK_EVERY", 1)
+    monkeypatch.setattr(bmoe.stages.bind, "map_count_limit", lambda: 10)  # any process holds more
+    path = tiny.path(BIG_EXPERTS)
+
+    async def go():  # noqa: ANN202
+        with Session.open(path, config(2 * MiB)) as s:
+            out = [p.token async for p in s.stream(PROMPT, N_TOKENS, stop_at_end=False) if p.token is not None]
+            return out, s.last_stats, s._streaming.residency.recycle
+
+    tokens, stats, recycle = asyncio.run(go())
+    assert tokens == tiny.resident_tokens(path)
+    assert recycle is False and 0 < stats.recycled_bytes, "one move, then no more"

@@ -32,7 +32,8 @@ def stream_within_budget(path, config: RunConfig):  # noqa: ANN001, ANN201
         with Session.open(path, config) as s:
             tokens = []
             async for piece in s.stream(PROMPT, N_TOKENS, stop_at_end=False):
-                tokens.append(piece.token)
+                if piece.token is not None:  # the final piece carries only the finish reason
+                    tokens.append(piece.token)
                 assert s.resident_cache_bytes <= config.cache_bytes
             return tokens, s.last_stats
 

@@ -34,7 +34,7 @@ def test_streamed_equals_resident_matrix(tiny, arch: str, wtype: str) -> None:
             assert got == resident, f"shards={shards} odirect={odirect} lanes={lanes}"
 
 
-def _poison(layer: int, spans: list[tuple[int, int]]) -> None:
+def poison(layer: int, spans: list[tuple[int, int]]) -> None:
     for base, nbytes in spans:
         ctypes.memset(base, 0xFF, nbytes)  # 0xFF bytes are NaN in f32 and f16
 
@@ -42,16 +42,18 @@ def _poison(layer: int, spans: list[tuple[int, int]]) -> None:
 @pytest.mark.parametrize("arch,wtype", [("qwen3moe", "f32"), ("gemma4", "f16"), ("qwen2moe", "q8_0")])
 def test_poisoned_regions_still_identical(tiny, arch: str, wtype: str) -> None:
     path = tiny.path(TinySpec(arch=arch, wtype=wtype))
-    got = generate_tokens(path, stream_config(), Hooks(before_layer_reads=_poison))
+    got = generate_tokens(path, stream_config(), Hooks(before_layer_reads=poison))
     assert got == tiny.resident_tokens(path)
 
 
-def _skip_top_expert_of_layer0():
+def skip_top_expert(layer: int = 0) -> Hooks:
+    """Hooks that never read the first missed expert of ``layer``: the negative control."""
+
     def before_read(request) -> bool:  # noqa: ANN001
-        return not (request.key.layer == 0 and request.key.expert == skip_state["expert"])
+        return not (request.key.layer == layer and request.key.expert == skip_state["expert"])
 
     def on_plan(event, plan) -> None:  # noqa: ANN001
-        if event.layer == 0:
+        if event.layer == layer:
             skip_state["expert"] = plan.misses[0] if plan.misses else -1
 
     skip_state = {"expert": -1}
@@ -60,14 +62,14 @@ def _skip_top_expert_of_layer0():
 
 def test_negative_control_missing_expert_changes_output(tiny) -> None:
     path = tiny.path(TinySpec(arch="qwen3moe", wtype="f32"))
-    got = generate_tokens(path, stream_config(), _skip_top_expert_of_layer0())
+    got = generate_tokens(path, stream_config(), skip_top_expert())
     assert got != tiny.resident_tokens(path)
 
 
 def test_negative_control_under_poison_changes_output(tiny) -> None:
     path = tiny.path(TinySpec(arch="qwen3moe", wtype="f16"))
-    hooks = _skip_top_expert_of_layer0()
-    hooks.before_layer_reads = _poison
+    hooks = skip_top_expert()
+    hooks.before_layer_reads = poison
     got = generate_tokens(path, stream_config(), hooks)
     assert got != tiny.resident_tokens(path)
 
@@ -75,8 +77,14 @@ def test_negative_control_under_poison_changes_output(tiny) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_exactly_k_experts_per_layer_per_decode_token(tiny, arch: str) -> None:
     spec = TinySpec(arch=arch)
-    path = tiny.path(spec)
-    n_proj = 2 if arch == "gemma4" else 3
+    assert_exact_reads(tiny.path(spec), spec, moe_layers=range(spec.n_layer), n_proj=2 if arch == "gemma4" else 3)
+
+
+def assert_exact_reads(path, spec: TinySpec, moe_layers, n_proj: int) -> None:  # noqa: ANN001
+    """Cache off: every decode step reads exactly k experts x n_proj slices in each MoE layer and
+    nothing anywhere else (dense, recurrent and MTP blocks never route); the prompt reads each
+    routed expert of a MoE layer once."""
+    moe_layers = list(moe_layers)
     slices: Counter[tuple[int, int]] = Counter()
     current = {}
 
@@ -91,9 +99,10 @@ def test_exactly_k_experts_per_layer_per_decode_token(tiny, arch: str) -> None:
     generate_tokens(path, stream_config(), Hooks(before_read=before_read, on_plan=on_plan))
     decode_steps = sorted({step for step, _ in slices if step >= 1})
     assert len(decode_steps) == N_TOKENS - 1
+    assert {layer for _, layer in slices} == set(moe_layers), "reads only for MoE layers"
     for step in decode_steps:
-        for layer in range(spec.n_layer):
+        for layer in moe_layers:
             assert slices[step, layer] == spec.n_expert_used * n_proj
     # The prompt routes a union of experts per layer: at least k of them, read once each.
-    for layer in range(spec.n_layer):
+    for layer in moe_layers:
         assert spec.n_expert_used * n_proj <= slices[0, layer] <= spec.n_expert * n_proj

@@ -18,7 +18,7 @@ import bmoe
 pytestmark = pytest.mark.pure  # no model, no llama.cpp: `pytest -m pure` runs these in seconds
 
 # Lowest first. Packages in one tuple are peers that must not import each other
-# (io and pipeline are both pure leaves; bench and server are separate applications).
+# (io and pipeline are both pure leaves; bench, server and inspect are separate applications).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("_version", "errors"),
     ("io", "pipeline"),
@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("stages",),
     ("engine",),
     ("synth",),
-    ("bench", "server", "quality"),
+    ("bench", "server", "inspect", "quality"),
     ("cli",),
     ("",),  # the package root re-exports the public face
 )

@@ -103,3 +103,74 @@ def test_replay_cli_json_plot_and_bad_input(traced, tmp_path: Path) -> None:  # 
     )
     assert bad.returncode == 1 and "does not match the trace" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def _seed_probe(tmp_path: Path, monkeypatch, slice_bytes: int, lanes: int = 2):  # noqa: ANN001, ANN202
+    """A probe result in a private cache directory, so no test measures the disk."""
+    from bmoe.io.probe import ProbeResult
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    probe = {"mib_s": 500.0, "slice_bytes": slice_bytes, "lanes": lanes, "mode": "odirect",
+             "reads": 1, "how": "seeded by the test"}
+    (tmp_path / "bmoe").mkdir(exist_ok=True)
+    key = f"{os.stat(tmp_path).st_dev}:{slice_bytes}:{lanes}"
+    (tmp_path / "bmoe" / "probe.json").write_text(json.dumps({key: probe}))
+    return ProbeResult(**probe)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("policy", ["lru", "default", "opt"])
+async def test_modelled_timing_agrees_with_real_reads(traced, policy: str, tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """--timing model counts exactly what the staged replay with real reads counts."""
+    from bmoe.engine.replay import model_replay
+
+    path, trace_path, _ = traced
+    t = read_trace(trace_path)
+    layout = open_layout(path)
+    probe = _seed_probe(tmp_path, monkeypatch, max(t.expert_bytes.values()))
+    for budget in (0, BUDGET // 2, BUDGET, 64 * MiB):
+        real = await replay(t, budget_bytes=budget, policy=policy, compute=ComputeModel(t.timing, 0.0), model=layout)
+        for overlap in ("none", "tensor", "expert"):
+            m = model_replay(t, budget_bytes=budget, policy=policy, compute=ComputeModel(t.timing, 0.0),
+                             probe=probe, overlap=overlap)
+            assert (m.hits, m.misses, m.bytes_read) == (real.hits, real.misses, real.bytes_read), (budget, overlap)
+            assert (m.decode_hit_pct, m.decode_tokens) == (real.decode_hit_pct, real.decode_tokens)
+            assert m.io.startswith("modelled")
+
+
+def test_modelled_layer_time() -> None:
+    """Reads spread over the lanes that free first; overlap only ever shortens a layer."""
+    from bmoe.engine.replay import _modelled_layer
+
+    bw = 100.0  # bytes per second per lane
+    slices = [(p, e, 100) for p in range(3) for e in (1, 2)]  # 1 s each, six of them
+    none = _modelled_layer(0.0, 4.0, slices, 2, bw, "none", 3, (1, 2))
+    assert none == pytest.approx(3.0 + 4.0)  # six 1 s reads on two lanes, then all compute
+    tensor = _modelled_layer(0.0, 4.0, slices, 2, bw, "tensor", 3, (1, 2))
+    assert tensor == pytest.approx(1 + 1 + 1 + 1 + 1)  # each projection lands as the last one computes
+    expert = _modelled_layer(0.0, 4.0, slices, 2, bw, "expert", 3, (1, 2))
+    assert expert <= tensor <= none
+    assert _modelled_layer(5.0, 4.0, [], 2, bw, "none", 3, (1,)) == pytest.approx(9.0)  # all hits
+    assert _modelled_layer(0.0, 0.0, slices, 1, bw, "none", 3, (1, 2)) == pytest.approx(6.0)  # one lane
+
+
+def test_replay_cli_models_time_by_default_for_sim(traced, tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    _, trace_path, _ = traced
+    t = read_trace(trace_path)
+    local = tmp_path / "trace.route.csv"
+    local.write_bytes(trace_path.read_bytes())
+    _seed_probe(tmp_path, monkeypatch, max(t.expert_bytes.values()))
+    proc = subprocess.run(
+        [sys.executable, "-m", "bmoe.cli", "replay", str(local), "--io", "sim", "--cache-mb", "0,2",
+         "--policy", "lru,default", "--json"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert "modelled decode time" in out["how"]
+    assert all(r["io"].startswith("modelled") and r["tok_per_s"] for r in out["results"])
+    bad = subprocess.run(
+        [sys.executable, "-m", "bmoe.cli", "replay", str(local), "-m", str(local), "--timing", "model",
+         "--cache-mb", "1"], capture_output=True, text=True, timeout=120,
+    )
+    assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "--timing model" in bad.stderr

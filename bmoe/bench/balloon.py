@@ -10,6 +10,9 @@ that leaves less than the model's dense part + 1 GiB, or when RLIMIT_MEMLOCK for
   changes, or at once with SIGKILL when the parent dies (``prctl(PR_SET_PDEATHSIG)``);
 - the parent kills it in ``release`` (called from ``__exit__``: on success, on error, on Ctrl-C).
 
+``Balloon(n, lock=False)`` only writes every page instead of locking it (``held N``): no privilege
+needed, the same effect on a machine without swap, and what the tests use to squeeze a run.
+
 Locked pages are neither reclaimable nor swappable, so while the balloon stands MemAvailable is
 what the limit says (give or take what other processes do meanwhile: the harness re-reads it).
 """
@@ -138,58 +141,93 @@ def die_with_parent() -> None:
 class Balloon:
     """The lock, held by a child process from ``inflate`` until ``release`` (idempotent)."""
 
-    def __init__(self, lock_bytes: int, *, timeout_s: float | None = None) -> None:
+    def __init__(self, lock_bytes: int, *, timeout_s: float | None = None, lock: bool = True) -> None:
         self.lock_bytes = lock_bytes
+        self.lock = lock
         # mlock faults in and zeroes every page: 2.5 s per GiB measured on this project's VMs;
         # allow twice that, plus a floor.
         self.timeout_s = timeout_s if timeout_s is not None else 30.0 + 5.0 * lock_bytes / GiB
         self._proc: subprocess.Popen[bytes] | None = None
-        self.inflate_s: float | None = None
+        self.inflate_s: float | None = None  # from start to every page held
+        self._t0 = 0.0
+        self._buf = b""
 
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
     def inflate(self) -> Self:
+        """Start the child and wait until every page is locked (or written)."""
+        return self.start().wait_ready()
+
+    def start(self) -> Self:
+        """Start the child and return at once: memory goes while the caller carries on (a squeeze
+        mid-run); ``ready_nowait`` or ``wait_ready`` tell when it is all taken."""
         if self._proc is not None:
             raise BudgetError("balloon already inflated")
-        t0 = time.perf_counter()
+        self._t0 = time.perf_counter()
+        self._buf = b""
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "bmoe.bench.balloon", str(self.lock_bytes), str(os.getpid())],
+            [sys.executable, "-m", "bmoe.bench.balloon", str(self.lock_bytes), str(os.getpid()),
+             *([] if self.lock else ["--touch"])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         )
+        return self
+
+    def wait_ready(self) -> Self:
         try:
-            line = self._first_line()
-            if not line.startswith("locked "):
-                code = self._proc.wait(timeout=5)
-                err = (self._proc.stderr.read() if self._proc.stderr else b"").decode(errors="replace")
-                last = (err.strip().splitlines() or [""])[-1]
-                reason = line or last or f"it exited with status {code}" + (
-                    " (killed: out of memory?)" if code == -signal.SIGKILL else "")
-                raise BudgetError(f"the memory balloon could not lock {self.lock_bytes / GiB:.2f} GiB: {reason}")
+            self._check(self._first_line())
         except BaseException:
             self.release()
             raise
-        self.inflate_s = time.perf_counter() - t0
         return self
 
-    def _first_line(self) -> str:
+    def ready_nowait(self) -> bool:
+        """Whether the child has said it holds its memory; raises if it failed instead."""
+        if self.inflate_s is not None:
+            return True
+        chunk = self._read_some(0.0)
+        if b"\n" not in self._buf and chunk != b"":
+            return False  # nothing yet, or half a line
+        try:
+            self._check(self._buf.decode(errors="replace").strip())
+        except BaseException:
+            self.release()
+            raise
+        return True
+
+    def _check(self, line: str) -> None:
+        assert self._proc is not None
+        if not line.startswith(("locked ", "held ")):
+            code = self._proc.wait(timeout=5)
+            err = (self._proc.stderr.read() if self._proc.stderr else b"").decode(errors="replace")
+            last = (err.strip().splitlines() or [""])[-1]
+            reason = line or last or f"it exited with status {code}" + (
+                " (killed: out of memory?)" if code == -signal.SIGKILL else "")
+            raise BudgetError(f"the memory balloon could not lock {self.lock_bytes / GiB:.2f} GiB: {reason}")
+        self.inflate_s = time.perf_counter() - self._t0
+
+    def _read_some(self, wait_s: float) -> bytes | None:
+        """Append what the child wrote within ``wait_s`` to the buffer; b"" at end of file."""
         assert self._proc is not None and self._proc.stdout is not None
         fd = self._proc.stdout.fileno()
-        buf = b""
+        ready, _, _ = select.select([fd], [], [], wait_s)
+        if not ready:
+            return None
+        chunk = os.read(fd, 4096)
+        self._buf += chunk
+        return chunk
+
+    def _first_line(self) -> str:
         deadline = time.monotonic() + self.timeout_s
-        while b"\n" not in buf:
+        while b"\n" not in self._buf:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise BudgetError(f"the memory balloon did not lock {self.lock_bytes / GiB:.2f} GiB "
                                   f"within {self.timeout_s:.0f} s")
-            ready, _, _ = select.select([fd], [], [], min(left, 0.5))
-            if ready:
-                chunk = os.read(fd, 4096)
-                if not chunk:
-                    break
-                buf += chunk
-        return buf.decode(errors="replace").strip()
+            if self._read_some(min(left, 0.5)) == b"":
+                break
+        return self._buf.decode(errors="replace").strip()
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
@@ -231,7 +269,7 @@ def _spare_from_oom_killer() -> None:
     _set_oom_score_adj(-1000)
 
 
-def _hold(nbytes: int, parent: int, wait: Callable[[], bool]) -> int:
+def _hold(nbytes: int, parent: int, wait: Callable[[], bool], lock: bool = True) -> int:
     die_with_parent()
     if os.getppid() != parent:  # the parent died before the death signal was armed
         return 1
@@ -240,6 +278,13 @@ def _hold(nbytes: int, parent: int, wait: Callable[[], bool]) -> int:
     libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     addr = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    if not lock:
+        ctypes.memset(addr, 1, nbytes)  # every page written: taken, as anonymous memory without swap is
+        print(f"held {nbytes}", flush=True)
+        while wait():
+            if os.getppid() != parent:
+                break
+        return 0
     if libc.mlock(addr, nbytes) != 0:
         err = ctypes.get_errno()
         hint = {
@@ -263,11 +308,11 @@ def _stdin_open() -> bool:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: python -m bmoe.bench.balloon BYTES PARENT_PID", file=sys.stderr)
+    if len(argv) not in (2, 3) or argv[2:] not in ([], ["--touch"]):
+        print("usage: python -m bmoe.bench.balloon BYTES PARENT_PID [--touch]", file=sys.stderr)
         return 2
     try:
-        return _hold(int(argv[0]), int(argv[1]), _stdin_open)
+        return _hold(int(argv[0]), int(argv[1]), _stdin_open, lock=argv[2:] != ["--touch"])
     except KeyboardInterrupt:
         return 130
 

@@ -10,7 +10,18 @@ On one prompt, in this order:
    logits: what users run today;
 4. streamed: cache off; a budget below one token's working set; about half the expert bank; the
    whole bank after a warm-up that fills it ("all cached"); cache off with overlap when RunConfig
-   has an ``overlap`` field.
+   has an ``overlap`` field; the ``auto`` budget with the pressure guard, which also measures the
+   time to first token of prompts of 5, 50, 200 and 1000 tokens (``--ttft``, where the context
+   allows; warm: after the measured generation, in that order);
+5. ``--budgets``: a sweep of fixed budgets (forced past the memory model, pressure guard off), the
+   curve and where its cliff is;
+6. ``--squeeze GB``: the auto run again, with a second balloon of that size inflated halfway through
+   the measured generation: decode tok/s and the budget before and after.
+
+The like-for-like baseline is llama.cpp's own mmap without repacking (``mmap_norepack``: bmoe's
+resident mode, which is llama.cpp with ``use_extra_bufts`` off), the best a llama.cpp user can do
+with a model bigger than RAM; stock llama-cpp-python (``mmap``, ``stock_tok_s``) repacks q4_0 into
+anonymous memory and is killed past RAM (``--stock-timeout`` bounds how long it may take).
 
 Decisions:
 
@@ -76,7 +87,10 @@ PROMPT = "The quick brown fox jumps over the lazy dog, and the experts stream fr
 WARMUP_PROMPT = "Warm-up: a different prompt, so the measured routing is not pre-read."
 LANES = (1, 2, 4, 8)
 RUN_HEADROOM = 512 * MiB  # beyond the weights a run needs: KV, compute buffers, the interpreter
-STREAMED = ("stream_off", "overlap", "stream_below_ws", "stream_half_bank")  # candidates for stream_tok_s
+STREAMED = ("stream_off", "overlap", "stream_below_ws", "stream_half_bank", "stream_auto")  # for stream_tok_s
+TTFT_LENGTHS = (5, 50, 200, 1000)
+SQUEEZE_TOKENS_CAP = 4  # a squeezed generation runs on to at most this many times --tokens
+TTFT_TEXT = "the experts of this layer stream from the disk while the next token waits for them "
 
 # Read once per meminfo, replaced by tests to inject numbers.
 meminfo_reader: Callable[[], Mapping[str, int]] = read_meminfo
@@ -95,6 +109,26 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _mib_list(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MiB values separated by commas, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"budgets must be at least 1 MiB each, got {text!r}")
+    return values
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected token counts separated by commas, got {text!r}") from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"token counts cannot be negative, got {text!r}")
+    return tuple(v for v in values if v > 0)
+
+
 def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``bench`` with its handler (``args.func(args)`` returns the exit code)."""
     p = subparsers.add_parser(
@@ -111,6 +145,14 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
     p.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: all usable cores)")
     p.add_argument("-c", "--ctx", type=int, default=None, help="context length (default: fits prompt + tokens)")
     p.add_argument("--timeout", type=_positive_float, default=3600.0, help="seconds per configuration")
+    p.add_argument("--stock-timeout", type=_positive_float, default=None, metavar="S",
+                   help="seconds for stock llama-cpp-python (default: --timeout)")
+    p.add_argument("--squeeze", type=_positive_float, default=None, metavar="GB",
+                   help="also run auto with a second balloon of GB GiB inflated halfway through")
+    p.add_argument("--budgets", type=_mib_list, default=(), metavar="MIB,...",
+                   help="a sweep of fixed cache budgets in MiB (forced, pressure guard off)")
+    p.add_argument("--ttft", type=_int_list, default=TTFT_LENGTHS, metavar="N,...",
+                   help="prompt lengths (tokens) whose time to first token the auto run measures; 0 = none")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="PNG path (default: in --out)")
     p.add_argument("--out", type=Path, default=None, metavar="DIR",
@@ -132,6 +174,10 @@ class BenchOptions:
     timeout_s: float = 3600.0
     out: Path | None = None
     plot: Path | None = None
+    stock_timeout_s: float | None = None
+    squeeze_bytes: int | None = None
+    budgets_mib: tuple[float, ...] = ()
+    ttft_lengths: tuple[int, ...] = TTFT_LENGTHS
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> BenchOptions:
@@ -139,7 +185,9 @@ class BenchOptions:
             model=args.model, tokens=args.tokens, warmup=args.warmup, prompt=args.prompt,
             io_threads=args.io_threads, threads=args.threads, ctx=args.ctx,
             ram_limit_bytes=None if args.ram_limit is None else int(args.ram_limit * GiB),
-            timeout_s=args.timeout, out=args.out, plot=args.plot,
+            timeout_s=args.timeout, out=args.out, plot=args.plot, stock_timeout_s=args.stock_timeout,
+            squeeze_bytes=None if args.squeeze is None else int(args.squeeze * GiB),
+            budgets_mib=tuple(args.budgets), ttft_lengths=tuple(args.ttft),
         )
 
     def validate(self) -> BenchOptions:
@@ -164,7 +212,8 @@ class BenchOptions:
         """A context every run fits: at most one token per prompt byte, plus BOS and the tokens."""
         if self.ctx is not None:
             return self.ctx
-        need = len(self.prompt.encode()) + max(self.tokens, self.warmup) + 8
+        gen = max(self.tokens * (SQUEEZE_TOKENS_CAP if self.squeeze_bytes else 1), self.warmup)
+        need = max(len(self.prompt.encode()) + gen, max(self.ttft_lengths, default=0)) + 8
         return max(512, -(-need // 256) * 256)
 
 
@@ -209,6 +258,8 @@ class Run:
     error: str | None = None
     mem_available_before: int | None = None
     load_before: float | None = None  # 1-minute load average when the child started
+    timeout_s: float | None = None  # this run's own bound (default: --timeout)
+    extra: dict[str, Any] = field(default_factory=dict)  # child spec additions (ttft, squeeze)
 
 
 # Interpreter, llama.cpp's KV and compute buffers, read lanes: measured about 130 MiB on small
@@ -230,10 +281,14 @@ def plan_runs(layout: Any, opts: BenchOptions, available: int) -> list[Run]:
         return (f"{what} ({nbytes / GiB:.2f} GiB) + {RUN_HEADROOM // MiB} MiB headroom exceed the "
                 f"{available / GiB:.2f} GiB available")
 
+    resident_skip = fits(file_bytes, "the model file")
     runs = [
         Run("resident", "resident (bmoe, whole file mapped)", "bmoe", {"mode": "resident", **common},
-            skip=fits(file_bytes, "the model file")),
-        Run("mmap", "mmap (stock llama-cpp-python)", "mmap", dict(common)),
+            skip=resident_skip),
+        Run("mmap_norepack", "llama.cpp mmap, no repacking (bmoe --resident), under the limit", "bmoe",
+            {"mode": "resident", **common},
+            skip=None if resident_skip else "the resident run is this configuration (the file fits)"),
+        Run("mmap", "mmap (stock llama-cpp-python)", "mmap", dict(common), timeout_s=opts.stock_timeout_s),
         Run("stream_off", "stream, cache off", "bmoe", {"mode": "stream", "cache_bytes": 0, **common}),
     ]
     overlap = Run("overlap", "stream, cache off, overlap", "bmoe",
@@ -264,6 +319,20 @@ def plan_runs(layout: Any, opts: BenchOptions, available: int) -> list[Run]:
     runs.append(cached("stream_half_bank", "stream, cache {mib} (about half the expert bank, or what fits)",
                        middle, middle_note))
     runs.append(cached("all_cached", "stream, all cached (cache {mib} >= bank, warm)", bank, None, warmup="same"))
+    for run in runs:  # the harness's own sizes: run as chosen (the memory model may be stricter)
+        if run.id in ("stream_below_ws", "stream_half_bank", "all_cached"):
+            run.config["force_cache"] = True
+    auto = {"mode": "stream", "cache_bytes": None, **common}
+    runs.append(Run("stream_auto", "stream, auto budget (pressure guard on)", "bmoe", dict(auto),
+                    extra={"ttft_lengths": [n for n in opts.ttft_lengths if n + 2 <= opts.n_ctx]}))
+    for mib in opts.budgets_mib:
+        budget = int(mib * MiB)
+        runs.append(Run(f"sweep_{mib:g}", f"stream, fixed budget {mib:g} MiB (forced, guard off)", "bmoe",
+                        {"mode": "stream", "cache_bytes": budget, "force_cache": True, "pressure_guard": False,
+                         **common}, budget_bytes=budget))
+    if opts.squeeze_bytes:
+        runs.append(Run("squeeze", f"stream, auto budget, {opts.squeeze_bytes / GiB:g} GiB taken halfway", "bmoe",
+                        dict(auto), extra={"squeeze_bytes": opts.squeeze_bytes}))
     return runs
 
 
@@ -363,18 +432,19 @@ def execute(run: Run, model: Path, opts: BenchOptions, scratch: Path) -> None:
     spec = {
         "kind": run.kind, "model": str(model), "config": run.config, "prompt": opts.prompt,
         "tokens": opts.tokens, "warmup": run.warmup, "warmup_tokens": opts.warmup,
-        "warmup_prompt": WARMUP_PROMPT, "n_threads": opts.n_threads, "n_ctx": opts.n_ctx,
+        "warmup_prompt": WARMUP_PROMPT, "n_threads": opts.n_threads, "n_ctx": opts.n_ctx, **run.extra,
     }
+    timeout = run.timeout_s or opts.timeout_s
     spec_path, result_path = scratch / f"{run.id}.spec.json", scratch / f"{run.id}.result.json"
     spec_path.write_text(json.dumps(spec))
     result_path.unlink(missing_ok=True)
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "bmoe.bench.harness", "--child", str(spec_path), str(result_path)],
-            check=False, capture_output=True, text=True, timeout=opts.timeout_s,
+            check=False, capture_output=True, text=True, timeout=timeout,
         )
     except subprocess.TimeoutExpired:
-        run.error = f"timed out after {opts.timeout_s:.0f} s"
+        run.error = f"timed out after {timeout:.0f} s"
         return
     if result_path.exists():
         data = json.loads(result_path.read_text())
@@ -410,16 +480,111 @@ async def _bmoe_child(spec: dict[str, Any]) -> dict[str, Any]:
         elif spec["warmup_tokens"] > 0:
             warm = await s.generate(spec["warmup_prompt"], spec["warmup_tokens"], stop_at_end=False)
         io0, faults0 = read_io_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
-        g = await s.generate(spec["prompt"], spec["tokens"], stop_at_end=False)
+        squeeze = None
+        if spec.get("squeeze_bytes"):
+            tokens, squeeze = await _squeezed_generation(s, spec)
+            stats = s.last_stats
+        else:
+            g = await s.generate(spec["prompt"], spec["tokens"], stop_at_end=False)
+            tokens, stats = g.tokens, g.stats
         io1, faults1 = read_io_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
-        assert g.stats is not None
+        assert stats is not None
+        ttft = await _ttft(s, spec.get("ttft_lengths") or ())
         return {
-            "tokens": g.tokens, "stats": g.stats.as_dict(), "open_s": open_s,
+            "tokens": tokens, "stats": stats.as_dict(), "open_s": open_s,
             "open_mode": s.open_mode, "open_reason": s.open_reason, "io_mode": s.io_mode,
             "io_fallback_reason": s.io_fallback_reason, "warnings": s.warnings, "budget_how": s.budget_how,
             "warmup_stats": warm.stats.as_dict() if warm is not None and warm.stats is not None else None,
             "disk_read_bytes": _delta(io0, io1), "major_faults": faults1 - faults0,
+            "ttft_s": ttft, "squeeze": squeeze, "map_count": _map_count(),
         }
+
+
+def _map_count() -> int | None:
+    """Memory mappings this process holds (page moves split them; the kernel caps them)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return None
+
+
+async def _ttft(s: Any, lengths: Any) -> dict[str, float] | None:
+    """Prefill seconds of prompts of about each length in tokens, keyed by their exact length (one
+    generated token each, one after another: the cache warm from what ran before)."""
+    if not lengths:
+        return None
+    out: dict[str, float] = {}
+    text = TTFT_TEXT * (1 + max(lengths) // 4)
+    for n in lengths:
+        lo, hi = 1, len(text)  # the longest start of the text that is at most n tokens
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if len(s.tokenize(text[:mid])) <= n:
+                lo = mid
+            else:
+                hi = mid - 1
+        prompt = text[:lo]
+        g = await s.generate(prompt, 1, stop_at_end=False)
+        assert g.stats is not None
+        out[str(g.stats.prompt_tokens)] = g.stats.prefill_s
+    return out
+
+
+async def _squeezed_generation(s: Any, spec: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
+    """The measured generation with a second balloon started halfway: decode tok/s over the tokens
+    before it started and over as many after it held all its memory (the generation runs on, up to
+    four times --tokens, until there are that many), and the budget at each point."""
+    from bmoe.bench.balloon import Balloon, has_cap_ipc_lock
+
+    n = spec["tokens"]
+    half = max(2, n // 2)
+    cap = SQUEEZE_TOKENS_CAP * n
+    balloon = Balloon(spec["squeeze_bytes"], lock=has_cap_ipc_lock())
+    walls: list[float] = []
+    tokens: list[int] = []
+    started_at = held_at = None
+    budget_before = budget_after_hold = None
+    try:
+        async for piece in s.stream(spec["prompt"], cap, stop_at_end=False):
+            if piece.token is None:
+                continue
+            tokens.append(piece.token)
+            if piece.metrics is not None:
+                walls.append(piece.metrics.wall_ms / 1e3)
+            if started_at is not None and held_at is None and balloon.ready_nowait():
+                held_at, budget_after_hold = len(tokens), s.budget_bytes
+            if len(tokens) == half:
+                budget_before = s.budget_bytes
+                balloon.start()
+                started_at = len(tokens)
+            if held_at is not None and len(tokens) - held_at >= max(2, half - 1):
+                break
+    finally:
+        inflate_s = balloon.inflate_s
+        balloon.release()
+    n = len(tokens)
+
+    def rate(first: int, last: int) -> float | None:
+        """Decode tok/s of tokens [first, last) (index 0 is the prompt's: not decode)."""
+        span = walls[max(first, 1):last]
+        return len(span) / sum(span) if len(span) >= 1 and sum(span) > 0 else None
+
+    after_from = held_at if held_at is not None else started_at
+    stats = s.last_stats
+    return tokens, {
+        "tok_per_s_before": rate(1, half), "tok_per_s_after": rate(after_from or n, n),
+        "budget_bytes_before": budget_before,
+        "budget_bytes_after": stats.budget_bytes_end if stats is not None else None,
+        "budget_bytes_when_held": budget_after_hold,
+        "budget_changes": stats.budget_changes if stats is not None else None,
+        "squeeze_bytes": spec["squeeze_bytes"], "locked": balloon.lock, "started_after_token": started_at,
+        "held_after_token": held_at, "inflate_s": inflate_s,
+        "tokens": n,
+        "how": ("decode tok/s: tokens over the summed wall time of their decode calls; before = tokens 2.."
+                f"{half}, after = those after the balloon said it held all its memory"
+                + ("" if held_at is not None else f" (it never did within {cap} tokens: after its start instead)")),
+    }
 
 
 def _mmap_child(spec: dict[str, Any]) -> dict[str, Any]:
@@ -535,7 +700,11 @@ def _row(run: Run, reference: list[int] | None, ref_id: str | None) -> dict[str,
     row["open_s"] = _r(res["open_s"], 3)
     row["open_mode"] = res.get("open_mode")
     if reference is not None:
-        same = res["tokens"] == reference
+        mine = res["tokens"]
+        if run.id == "squeeze":  # it runs on past --tokens, or stops short: compare what both have
+            m = min(len(mine), len(reference))
+            mine, reference = mine[:m], reference[:m]
+        same = mine == reference
         row["identical_tokens"] = same
         if run.id == ref_id:
             notes.append("token reference")
@@ -557,7 +726,7 @@ def _row(run: Run, reference: list[int] | None, ref_id: str | None) -> dict[str,
 def summarize(runs: list[Run], probes: list[dict[str, Any]], layout: Any, opts: BenchOptions,
               machine: dict[str, Any], balloon: dict[str, Any], started: datetime) -> dict[str, Any]:
     by_id = {r.id: r for r in runs}
-    ref_id = next((i for i in ("resident", "stream_off") if by_id[i].result is not None), None)
+    ref_id = next((i for i in ("resident", "mmap_norepack", "stream_off") if by_id[i].result is not None), None)
     reference = by_id[ref_id].result["tokens"] if ref_id else None  # type: ignore[index]
     rows = [_row(r, reference, ref_id) for r in runs]
     rows_by = {r["id"]: r for r in rows}
@@ -589,6 +758,15 @@ def summarize(runs: list[Run], probes: list[dict[str, Any]], layout: Any, opts: 
     out["resident_tok_s"] = pick("resident_tok_s", "resident", "tok_s", "bmoe resident (whole file mapped); " + tok_how)
     out["mmap_tok_s"] = pick("mmap_tok_s", "mmap", "tok_s",
                              "stock llama_cpp.Llama (default load, no bmoe callback), argmax over its logits; " + tok_how)
+    out["stock_tok_s"] = pick("stock_tok_s", "mmap", "tok_s",
+                              "stock llama_cpp.Llama(model_path): repacks q4_0 into anonymous memory; " + tok_how)
+    norepack = "mmap_norepack" if by_id["mmap_norepack"].skip is None else "resident"
+    out["mmap_norepack_tok_s"] = pick(
+        "mmap_norepack_tok_s", norepack, "tok_s",
+        "llama.cpp's mmap load without repacking (bmoe resident mode: use_extra_bufts off, whole file mapped), "
+        f"under the same limit ({norepack} row): the best a llama.cpp user can run past RAM; " + tok_how)
+    out["stream_auto_tok_s"] = pick("stream_auto_tok_s", "stream_auto", "tok_s",
+                                    "streamed, budget auto, pressure guard on; " + tok_how)
     lossless = [rows_by[i] for i in STREAMED if rows_by[i]["tok_s"] is not None
                 and rows_by[i]["identical_tokens"] is not False]
     best = max(lossless, key=lambda r: r["tok_s"]) if lossless else None
@@ -616,8 +794,34 @@ def summarize(runs: list[Run], probes: list[dict[str, Any]], layout: Any, opts: 
           "the cost of the streaming machinery when nothing has to be read")
     ratio("p2_read_over_device", "stream_cache_off_read_mb_s", "device_read_mb_s",
           "how much of the device's random-read bandwidth at this slice size the engine gets")
-    ratio("p3_stream_over_mmap", "stream_tok_s", "mmap_tok_s",
-          "the best streamed run against what users run today")
+    ratio("p3_stream_over_mmap", "stream_tok_s", "mmap_norepack_tok_s",
+          "the best streamed run against llama.cpp's own mmap without repacking under the same limit")
+    ratio("p3_auto_over_mmap", "stream_auto_tok_s", "mmap_norepack_tok_s",
+          "the auto budget against the same baseline")
+    auto = by_id["stream_auto"].result or {}
+    out["ttft_s"] = {k: _r(v, 3) for k, v in auto["ttft_s"].items()} if auto.get("ttft_s") else None
+    how["ttft_s"] = ("seconds of the prefill decode call, keyed by the prompt's length in tokens, in the auto run "
+                     "after its measured generation (warm cache), shortest first; each generates one token")
+    if out["ttft_s"] is None:
+        notes["ttft_s"] = f"stream_auto: {rows_by['stream_auto']['notes'] or 'no --ttft lengths fit the context'}"
+    out["budget_sweep"] = [
+        {"budget_mb": _r(r.budget_bytes / MiB, 1) if r.budget_bytes else None, "tok_per_s": rows_by[r.id]["tok_s"],
+         "hit_pct": rows_by[r.id]["hit_pct"], "status": rows_by[r.id]["status"],
+         "peak_rss_mib": rows_by[r.id]["peak_rss_mib"], "notes": rows_by[r.id]["notes"]}
+        for r in runs if r.id.startswith("sweep_")
+    ]
+    how["budget_sweep"] = ("one fresh process per fixed budget, forced past the memory model with the pressure "
+                           "guard off, so the curve shows where the cliff is; " + tok_how)
+    sq = by_id["squeeze"].result if "squeeze" in by_id else None
+    out["squeeze"] = None
+    if sq is not None and sq.get("squeeze"):
+        out["squeeze"] = {k: (_r(v, 3) if isinstance(v, float) else v) for k, v in sq["squeeze"].items()}
+        how["squeeze"] = out["squeeze"].pop("how")
+    elif "squeeze" in by_id:
+        notes["squeeze"] = f"squeeze: {rows_by['squeeze']['notes'] or 'not measured'}"
+    else:
+        notes["squeeze"] = "not asked for (--squeeze GB)"
+
     ids = [r["identical_tokens"] for r in rows if r["id"] != "mmap" and r["identical_tokens"] is not None]
     out["identical_tokens"] = all(ids) if ids else None
     how["identical_tokens"] = f"greedy tokens of every bmoe configuration equal those of {ref_id}"
@@ -668,9 +872,9 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-KEYS = ("device_read_mb_s", "stream_cache_off_read_mb_s", "resident_tok_s", "mmap_tok_s", "stream_tok_s",
-        "all_cached_tok_s", "p1_all_cached_over_resident", "p2_read_over_device", "p3_stream_over_mmap",
-        "identical_tokens")
+KEYS = ("device_read_mb_s", "stream_cache_off_read_mb_s", "resident_tok_s", "mmap_norepack_tok_s", "stock_tok_s",
+        "stream_tok_s", "stream_auto_tok_s", "all_cached_tok_s", "p1_all_cached_over_resident", "p2_read_over_device",
+        "p3_stream_over_mmap", "p3_auto_over_mmap", "identical_tokens")
 
 
 def key_figures_markdown(result: dict[str, Any]) -> str:
@@ -680,6 +884,27 @@ def key_figures_markdown(result: dict[str, Any]) -> str:
         text = result["how"].get(k, "") + (f" — null: {why}" if why else "")
         lines.append(f"| {k} | {_cell(result.get(k))} | {_cell(text)} |")
     return "\n".join(lines)
+
+
+def _extras_markdown(result: dict[str, Any]) -> list[str]:
+    """Time to first token, the budget sweep and the squeeze, where measured."""
+    out: list[str] = []
+    if result.get("ttft_s"):
+        out += ["## Time to first token (auto budget, warm)", "", "| prompt tokens | seconds |", "|---|---|"]
+        out += [f"| {k} | {v} |" for k, v in result["ttft_s"].items()] + [""]
+    if result.get("budget_sweep"):
+        out += ["## Budget sweep (fixed, forced, guard off)", "", "| budget MiB | tok/s | hit % | peak RSS MiB | status |",
+                "|---|---|---|---|---|"]
+        out += [f"| {r['budget_mb']} | {_cell(r['tok_per_s'])} | {_cell(r['hit_pct'])} | {_cell(r['peak_rss_mib'])} "
+                f"| {r['status']} |" for r in result["budget_sweep"]] + [""]
+    sq = result.get("squeeze")
+    if sq:
+        mb = lambda v: _cell(None if v is None else round(v / MiB))  # noqa: E731
+        out += ["## Squeeze", "", "| | tok/s | budget MiB |", "|---|---|---|",
+                f"| before | {_cell(sq['tok_per_s_before'])} | {mb(sq['budget_bytes_before'])} |",
+                f"| after | {_cell(sq['tok_per_s_after'])} | {mb(sq['budget_bytes_after'])} |", "",
+                f"{len(sq.get('budget_changes') or [])} budget change(s); {result['how'].get('squeeze', '')}", ""]
+    return out
 
 
 def report_markdown(result: dict[str, Any]) -> str:
@@ -726,6 +951,7 @@ def report_markdown(result: dict[str, Any]) -> str:
          "storage reads (/proc/self/io read_bytes) over the measured generation's wall time. disk MiB/token: "
          "/proc/self/io read_bytes of the measured generation per generated token (prefill included)."),
         "",
+        *_extras_markdown(result),
         "## Device probe",
         "",
         *probe,

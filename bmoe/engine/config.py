@@ -36,6 +36,12 @@ class RunConfig:
     # (sized once at open from available memory, see bmoe.pipeline.budget).
     cache_bytes: int | None = 0
     cache_ceiling_bytes: int | None = None
+    # A fixed cache_bytes that the memory model says cannot fit is refused at open; forced, it is
+    # only warned about.
+    force_cache: bool = False
+    # Shrink the cache when memory pressure appears while running, grow it back when it clears
+    # (bmoe.pipeline.pressure). Only with a cache.
+    pressure_guard: bool = True
     cache_policy: str = "default"  # a name in bmoe.pipeline.policies.POLICIES; "lru" is the baseline
     # How the model is opened when streaming (bmoe.engine.loader): auto picks the cheapest that works.
     open_mode: OpenMode = "auto"
@@ -53,6 +59,9 @@ class RunConfig:
     # Resident mode only: install the eval callback that filters nodes but streams nothing, to
     # measure what the callback itself costs.
     eval_filter: bool = False
+    # Keep what the context holds between generations: a prompt that begins with the same tokens
+    # evaluates only the rest (False: every prompt is evaluated from its first token).
+    reuse_prompt: bool = True
     # Lossy levers (bmoe.engine.lossy): off by default; any of them on makes the run's output a
     # different model's, and every figure it reports says so (``lossy: true`` and the flags).
     # Top-K experts per token instead of the file's own k (1..k, checked against the file at open).
@@ -102,7 +111,6 @@ class RunConfig:
             raise ConfigError("overlap applies to streamed runs: use mode='stream'")
         if self.eval_filter and self.mode != "resident":
             raise ConfigError("eval_filter measures the callback alone and needs mode='resident'")
-
         self._check_lossy()
 
     def _check_lossy(self) -> None:

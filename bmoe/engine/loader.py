@@ -73,6 +73,7 @@ from bmoe.errors import LlamaCallError, ModelFileError, SeamError, as_bmoe_error
 from bmoe.io.ggml import GGML_MAX_SRC, GgmlTensor, libggml_base
 from bmoe.io.layout import ModelLayout, TensorSpan
 from bmoe.io.pagecache import interior_pages, madvise_range, read_io_bytes
+from bmoe.io.recipes import recipe_for
 from bmoe.pipeline.budget import read_meminfo
 
 MODES = ("user", "mmap", "mmap-drop")
@@ -179,6 +180,23 @@ def _address_space_left() -> int | None:
     return max(0, soft - vm)
 
 
+def user_path_refusal(layout: ModelLayout) -> str | None:
+    """Why ``init_from_user`` must not be given this file, from the index alone; None if it may.
+
+    MTP blocks: the plain load skips their tensors, the user path hits GGML_ASSERT on the first
+    skipped one and the process dies, so this is checked before llama.cpp is called at all.
+    Fused-on-user archs with split gate/up experts: llama.cpp would create a fused tensor the
+    file lacks; the plain load then costs one whole-file read at open, which building the fused
+    tensor from the two file ranges would save (not measured here, not done)."""
+    recipe = recipe_for(layout.arch)
+    if layout.n_nextn:
+        return f"{layout.n_nextn} MTP block(s), which llama.cpp's user open aborts on"
+    split = layout.moe_layers and "ffn_gate_up_exps" not in {e.suffix for e in layout.layer_experts(layout.moe_layers[0])}
+    if recipe.user_open_fuses and split:
+        return f"{layout.arch} with split gate/up experts: llama.cpp's user open builds a fused ffn_gate_up_exps the file lacks"
+    return None
+
+
 def choose_open_mode(
     layout: ModelLayout, streaming: bool, *,
     meminfo: Callable[[], Mapping[str, int]] | None = None,
@@ -189,6 +207,9 @@ def choose_open_mode(
     ``overcommit`` replace the readers of /proc/meminfo and /proc/sys/vm/overcommit_memory."""
     if not streaming:
         return "mmap", f"resident run: {_WHAT['mmap']}"
+    refusal = user_path_refusal(layout)
+    if refusal is not None:
+        return "mmap-drop", f"user path refused ({refusal}); {_WHAT['mmap-drop']}"
     need = user_alloc_bytes(layout)
     try:
         policy = (overcommit or read_overcommit)()
@@ -241,6 +262,9 @@ def open_model(
     params.use_extra_bufts = False
     before = read_io_bytes()  # a refused user attempt's reads count too
     if mode == "user":
+        refusal = user_path_refusal(layout)
+        if refusal is not None and forced:
+            raise UserPathUnsupported(f"cannot open {layout.shards[0]} with the user path: {refusal}")
         try:
             opened = _open_user(layout, streaming, params)
         except UserPathUnsupported as e:

@@ -7,6 +7,16 @@ is modelled, as a sleep on the compute thread (the trace's own per-layer timings
 them, else a fixed time per layer), and with ``io="sim"`` the reads are modelled too, from a
 probe of this machine's disk at the trace's expert size. Counts (hits, bytes) are deterministic;
 the predicted tok/s is the wall time the replay took, so it is as noisy as the machine.
+
+``timing="model"`` (``model_replay``) answers the same what-if without sleeping or threads: the
+cache and its policy run exactly as in the staged replay (one plan per layer event, a trim per
+llama_decode call), so hits, misses and bytes read are identical (``tests/test_replay.py``), and
+time is computed rather than waited for: each missed slice goes, in the order the prefetch stage
+issues them (projection by projection, then expert), to the lane that frees first, at the probed
+per-lane bandwidth; compute follows the same overlap rules as the staged replay's modelled
+decode. What it leaves out is what a staged replay measures beyond the model: the loop's hops
+and thread wake-ups (tens to hundreds of microseconds per missed layer), so it predicts a
+little higher tok/s than the staged replay of the same trace.
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ from bmoe.engine.streaming import Streamer, open_reader, recycling_fits
 from bmoe.errors import BmoeError, DecodeAbortedError
 from bmoe.io.direct import ShardReader
 from bmoe.io.layout import ModelLayout
-from bmoe.io.probe import SimReader, cached_probe
+from bmoe.io.probe import ProbeResult, SimReader, cached_probe
 from bmoe.io.recipes import recipe_for
 from bmoe.pipeline.budget import Budget
 from bmoe.pipeline.cache import ExpertCache
@@ -85,6 +95,7 @@ def check_layout(trace: RouteTrace, layout: ModelLayout) -> dict[int, int]:
 
 
 OVERLAP_MODES = ("none", "tensor", "expert")
+TIMING_MODES = ("model", "measure")
 
 
 def _modelled_decode(
@@ -101,7 +112,8 @@ def _modelled_decode(
         for ev in call:
             if gate.aborting:
                 raise gate.error or DecodeAbortedError("replay aborted")
-            gate.route(ev.layer, np.asarray(ev.experts, dtype=np.int32)[None, :])
+            ranks = None if ev.ranks is None else np.asarray(ev.ranks)[np.argsort(ev.experts, kind="stable")]
+            gate.route(ev.layer, np.asarray(ev.experts, dtype=np.int32)[None, :], ranks)
             part = compute(ev) / (n_proj + 1)
             if overlap == "tensor":
                 for p in range(n_proj):
@@ -139,9 +151,10 @@ class _ComputeClock:
 
 
 def _projections(arch: str) -> int:
-    """Expert projections per layer of an architecture (3 when bmoe has no recipe for it)."""
+    """Expert projections per layer of an architecture (3 when bmoe has no recipe for it); the
+    trace does not say whether gate/up were fused, so the recipe's first (usual) layout."""
     try:
-        return len(recipe_for(arch).expert_suffixes)
+        return len(recipe_for(arch).layouts[0])
     except BmoeError:
         return 3
 
@@ -153,6 +166,98 @@ def _calls(events: Sequence[LayerEvent]) -> list[list[LayerEvent]]:
         if ev.ends_call:
             calls.append([])
     return [c for c in calls if c]
+
+
+def _modelled_layer(
+    t0: float, compute_s: float, slices: Sequence[tuple[int, int, int]], lanes: int,
+    lane_bytes_s: float, overlap: str, n_proj: int, experts: Sequence[int],
+) -> float:
+    """When one layer's compute ends, given its routing at ``t0`` and its missed ``slices``
+    ((projection, expert, bytes), in issue order): each slice on the lane that frees first."""
+    free = [t0] * lanes  # lanes are idle at a layer's routing: the previous layer waited for all
+    ready: dict[tuple[int, int], float] = {}
+    proj_ready = [t0] * n_proj
+    for p, e, nbytes in slices:
+        lane = min(range(lanes), key=free.__getitem__)
+        free[lane] += nbytes / lane_bytes_s
+        ready[p, e] = free[lane]
+        proj_ready[p] = max(proj_ready[p], free[lane])
+    part = compute_s / (n_proj + 1)
+    t = t0
+    if overlap == "tensor":
+        for p in range(n_proj):
+            t = max(t, proj_ready[p]) + part
+    elif overlap == "expert":
+        uniq = sorted(set(experts))
+        for p in range(n_proj):
+            for e in uniq:
+                t = max(t, ready.get((p, e), t0)) + part / len(uniq)
+    else:
+        t = max([t, *proj_ready]) + part * n_proj
+    return t + part
+
+
+def model_replay(
+    trace: RouteTrace,
+    *,
+    budget_bytes: int,
+    policy: str,
+    compute: ComputeModel,
+    probe: ProbeResult,
+    io_threads: int = 2,
+    overlap: str = "none",
+    consumption: Sequence[int] | None = None,
+) -> ReplayResult:
+    """One replay at one budget with one policy, its time computed instead of waited for.
+
+    Hits and bytes are those of the staged replay (the same cache, policy and events); reads take
+    ``nbytes / (probe bandwidth / probe lanes)`` on each of ``io_threads`` lanes; a layer's compute
+    is split as in the staged replay's modelled decode. ``consumption`` is the order in which the
+    graph consumes the projections (default: as stored)."""
+    if overlap not in OVERLAP_MODES:
+        raise BmoeError(f"overlap must be one of {', '.join(OVERLAP_MODES)}, got {overlap!r}")
+    if not 1 <= io_threads <= 64:
+        raise BmoeError(f"io_threads must be 1..64, got {io_threads}")
+    events = trace.layer_events()
+    entry = dict(trace.expert_bytes)
+    n_proj = _projections(trace.arch)
+    residency = SimResidency(trace.n_layer, trace.n_expert, entry, n_proj)
+    order = tuple(consumption) if consumption else tuple(range(n_proj))
+    sizes = {il: [r.nbytes for r in residency.requests(il, 0)] for il in entry}
+    lane_bytes_s = probe.mib_s * MiB / probe.lanes
+    cache = ExpertCache(budget_bytes, entry, make_policy(policy, future=[(e.layer, e.experts) for e in events]))
+    hits = [0, 0]
+    misses = [0, 0]
+    read = 0
+    decode_s = 0.0
+    decode_tokens = 0
+    for call in _calls(events):
+        phase = 1 if call[0].phase == PHASE_DECODE else 0
+        t = 0.0
+        for ev in call:
+            plan = cache.plan(ev.layer, ev.experts, ev.ranks)
+            hits[phase] += len(plan.hits)
+            misses[phase] += len(plan.misses)
+            size = sizes[ev.layer]
+            slices = [(p, e, size[p]) for p in order for e in plan.misses]
+            read += len(plan.misses) * entry[ev.layer]
+            t = _modelled_layer(t, compute(ev), slices, io_threads, lane_bytes_s, overlap, n_proj, ev.experts)
+        cache.trim()
+        if phase:
+            decode_s += t
+            decode_tokens += 1
+
+    def pct(h: int, m: int) -> float | None:
+        return 100.0 * h / (h + m) if h + m else None
+
+    return ReplayResult(
+        policy=cache.policy_name, cache_mb=budget_bytes / MiB,
+        decode_hit_pct=pct(hits[1], misses[1]), hit_pct=pct(sum(hits), sum(misses)),
+        bytes_read=read, tok_per_s=decode_tokens / decode_s if decode_s > 0 else None,
+        hits=sum(hits), misses=sum(misses), decode_tokens=decode_tokens,
+        io=f"modelled ({probe.mode} probe, {probe.mib_s:.0f} MiB/s over {probe.lanes} lanes; no sleeps)",
+        overlap=overlap,
+    )
 
 
 async def replay(

@@ -41,12 +41,22 @@ def llama_lib():  # noqa: ANN201 - the llama_cpp module, imported on first use, 
     return llama_cpp
 
 
-def _drop_below_error(level: int, text: bytes | None, _user: int | None) -> None:
-    if level >= GGML_LOG_LEVEL_ERROR and text:
+_LOG = {"all": False}
+
+
+def set_llama_log(verbose: bool) -> None:
+    """Let llama.cpp's own log through to stderr (``bmoe -v``), or keep it quiet (the default:
+    bmoe reports every failure itself as one line, and a cancelled decode's "graph_compute failed"
+    lines are expected, not news)."""
+    _LOG["all"] = verbose
+
+
+def _filtered_log(level: int, text: bytes | None, _user: int | None) -> None:
+    if _LOG["all"] and text:
         os.write(2, text)
 
 
-_quiet_log = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(_drop_below_error)
+_quiet_log = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(_filtered_log)
 # The default load progress callback prints dots to stderr; bmoe reports progress its own way.
 _no_progress = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_float, ctypes.c_void_p)(lambda _p, _u: True)
 
@@ -122,6 +132,14 @@ class LlamaModel:
 
     def clear_memory(self) -> None:
         self._lib.llama_memory_clear(self._lib.llama_get_memory(self.ctx), True)
+
+    def keep_prefix(self, n: int) -> bool:
+        """Drop every cached position from ``n`` on, keeping the first ``n`` for the next prompt to
+        build on. False when the memory cannot keep a partial sequence (then clear it instead):
+        sliding-window caches drop old positions, so only full-attention models reuse a prefix."""
+        if n <= 0 or self._lib.llama_model_n_swa(self.model) > 0 or self._lib.llama_model_is_recurrent(self.model):
+            return False
+        return bool(self._lib.llama_memory_seq_rm(self._lib.llama_get_memory(self.ctx), 0, n, -1))
 
     def decode(self, tokens: list[int]) -> None:
         """Run one batch (blocking: call it on the compute thread). Logits only for the last token."""

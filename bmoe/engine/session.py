@@ -13,20 +13,32 @@ import asyncio
 import codecs
 import re
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 
 from bmoe.engine.callback import Capture, Consumption, EvalCallback
 from bmoe.engine.config import RunConfig
-from bmoe.engine.loader import OpenedModel, capture_weights, open_model
 from bmoe.engine.drop_cold import DropColdCallback
+from bmoe.engine.isolate import check_first_open
+from bmoe.engine.loader import OpenedModel, capture_weights, open_model
 from bmoe.engine.lossy import load_overrides, lossy_callback
+from bmoe.engine.sampling import GREEDY, Sampler, SamplingParams, TokenLogprob, logprobs_of
 from bmoe.engine.seam import LlamaModel
+from bmoe.engine.stops import StopStrings
 from bmoe.engine.streaming import Streamer
-from bmoe.errors import BmoeError, ConfigError, SeamMismatchError, first_error
+from bmoe.errors import (
+    BmoeError,
+    ConfigError,
+    DecodeAbortedError,
+    GenerationCancelled,
+    SeamMismatchError,
+    SessionClosedError,
+    first_error,
+)
 from bmoe.io.ggml import check_live_tensor, check_overhead
 from bmoe.io.layout import ModelLayout
 from bmoe.io.pagecache import mapping_spans, read_io_bytes, release_file_pages
@@ -38,6 +50,7 @@ from bmoe.metrics.tokens import ProcessSample, TokenMetrics, rss_bytes
 from bmoe.pipeline.events import PHASE_DECODE, PHASE_PREFILL
 from bmoe.pipeline.gate import RoutingGate
 from bmoe.pipeline.hooks import Hooks
+from bmoe.pipeline.pressure import PressureGuard
 from bmoe.stages.compute import ComputeStage
 from bmoe.stages.dense import AnonDense
 from bmoe.stages.predict import Predictor, load_routers
@@ -45,14 +58,41 @@ from bmoe.stages.predict import Predictor, load_routers
 _EXPERT_TENSOR = re.compile(rb"^blk\.(\d+)\.([a-z_]+_exps)\.weight$")
 
 
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Tokens of one generation: the prompt's, those generated, and how many of the prompt's were
+    evaluated (the others were already in the context from an earlier call)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    prompt_evaluated: int
+
+    @property
+    def prompt_reused(self) -> int:
+        return self.prompt_tokens - self.prompt_evaluated
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
 @dataclass(frozen=True)
 class Piece:
-    """One generated token and the text it completes. ``token`` is None only for the final flush of
-    a byte sequence that ended mid-character (its replacement text)."""
+    """One generated token and the text it lets through (empty while a possible stop string is
+    held back). The last piece of a generation has ``token`` None, any text still held back (a
+    byte sequence that ended mid-character, a tail that did not become a stop string), and
+    ``finish_reason`` and ``usage``: "stop" (an end-of-generation token or a stop string),
+    "length" (max_tokens reached) or "cancelled" (``cancel()`` / ``close()``)."""
 
     token: int | None
     text: str
     metrics: TokenMetrics | None = None
+    logprob: TokenLogprob | None = None
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
 
 
 @dataclass(frozen=True)
@@ -70,6 +110,9 @@ class Generation:
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     stats: GenerationStats | None = None
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token, when sampling asked for them
 
 
 class Session:
@@ -94,6 +137,11 @@ class Session:
         self.last_stats: GenerationStats | None = None
         self._generations = 0
         self._recorder: RouteRecorder | None = None
+        self._closed = False
+        self._decoding = False
+        self._cancel_requested = False
+        self._kv: list[int] | None = []  # tokens the context holds; None: unknown (cleared next)
+        self.last_usage: Usage | None = None
 
     @classmethod
     def open(cls, path: str | Path, config: RunConfig | None = None, *, hooks: Hooks | None = None) -> Session:
@@ -101,6 +149,7 @@ class Session:
         config = (config or RunConfig()).validate()
         io_before = read_io_bytes()
         layout = open_layout(path)
+        check_first_open(layout)  # a child loads a file not seen before: a llama.cpp abort kills it, not us
         overrides = load_overrides(layout, config)  # lossy levers applied at load; a no-op when off
         layout = overrides.layout
         if config.route_trace is not None:
@@ -124,7 +173,8 @@ class Session:
                 check_live_tensor(next(iter(tensors.values())))
                 if opened.open_mode == "mmap-drop":
                     release_file_pages(layout, mapping_spans(layout, tensors))
-                streamer = Streamer.live(layout, tensors, config, callback.gate, hooks or Hooks())
+                streamer = Streamer.live(layout, tensors, config, callback.gate, hooks or Hooks(),
+                                         dense_in_file=opened.open_mode != "user", n_batch=model.n_batch)
                 if config.overlap:
                     _plan_overlap(model, callback, layout, tensors, streamer)
                 if config.predict_prefetch:
@@ -158,6 +208,11 @@ class Session:
         lever = getattr(self._callback, "lever", None)
         return lever.counters() if lever is not None else {}
 
+    def logits(self) -> np.ndarray:
+        """Scores of the last decoded position over the vocabulary: while a Piece is being
+        consumed, the scores it was drawn from (a view, valid until the next decode: copy it)."""
+        return self._live().logits()
+
     @property
     def io_mode(self) -> str | None:
         return self._streaming.reader.mode if self._streaming else None
@@ -166,99 +221,231 @@ class Session:
     def io_fallback_reason(self) -> str | None:
         return self._streaming.reader.fallback_reason if self._streaming else None
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def tokenize(self, text: str, *, special: bool = False) -> list[int]:
-        return self._model.tokenize(text, parse_special=special)
+        return self._live().tokenize(text, parse_special=special)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a token stands for (a piece of a UTF-8 character, for byte tokens)."""
+        return self._live().piece(token)
+
+    @property
+    def model_name(self) -> str:
+        """The model's name as an API reports it: its file name."""
+        return self.layout.shards[0].name if self.layout.shards else "bmoe"
+
+    async def create_completion(self, prompt: str | Sequence[int], **kwargs: Any) -> Any:
+        """llama-cpp-python's ``create_completion``, async: a ``text_completion`` dict, or with
+        ``stream=True`` an async iterator of chunk dicts (``bmoe.engine.completions``)."""
+        from bmoe.engine.completions import completion
+
+        return await completion(self, prompt, **kwargs)
+
+    async def create_chat_completion(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> Any:
+        """llama-cpp-python's ``create_chat_completion``, async, with the model's own template."""
+        from bmoe.engine.completions import chat_completion
+
+        return await chat_completion(self, messages, **kwargs)
 
     @property
     def n_ctx(self) -> int:
         return self._model.n_ctx
 
     def chat_template(self) -> bytes | None:
-        return self._model.chat_template()
+        return self._live().chat_template()
 
     async def stream(
-        self, prompt: str, max_tokens: int = 64, *, stop_at_end: bool = True, special: bool = False,
+        self, prompt: str | Sequence[int], max_tokens: int = 64, *, sampling: SamplingParams | None = None,
+        stop: Sequence[str] | str | None = None, stop_at_end: bool = True, special: bool = False,
         forced: Sequence[int] | None = None,
     ) -> AsyncIterator[Piece]:
-        """Greedy generation, one Piece per token; cancel it, or break and close it, at any point.
+        """Generate one Piece per token, then a last Piece (token None) that carries
+        ``finish_reason`` and ``usage``; cancel it, or break and close it, at any point.
 
-        ``special`` parses control-token text in the prompt (a chat template's markers) as tokens.
-        ``forced`` replaces the greedy choice by these tokens, in order (teacher forcing: what
-        ``bmoe quality`` feeds a lossy run so that its logits answer the same contexts as the exact
-        run's); ``logits()`` holds the scores each Piece was chosen from until the next step.
+        ``sampling`` chooses the draw (greedy by default); ``stop`` strings end the generation and
+        are never shown, nor anything after them; ``stop_at_end=False`` decodes through the
+        model's end-of-generation tokens. ``special`` parses control-token text in the prompt (a
+        chat template's markers) as tokens. A prompt may also be a list of token ids.
+        ``forced`` replaces the draw by these tokens, in order (teacher forcing: ``bmoe quality``
+        feeds a lossy run the exact run's tokens, so both score the same contexts computed the
+        same way); ``logits()`` holds the scores of the Piece being consumed.
 
-        One generation runs at a time: a second waits until the first has finished or been closed
-        (a generator abandoned by ``break`` is closed by the event loop shortly after).
+        The context keeps what it last evaluated: a prompt that begins with the same tokens
+        evaluates only the rest (``usage.prompt_evaluated``), with the same output a fresh session
+        gives.
+
+        One generation runs at a time: a second waits its turn (first come, first served) until
+        the first has finished or been closed (a generator abandoned by ``break`` is closed by the
+        event loop shortly after). ``cancel()`` or ``close()`` end a running generation at its next
+        graph node with ``finish_reason == "cancelled"``.
         """
-        if self._model.ctx is None:
-            raise BmoeError("session is closed")
-        tokens = self._model.tokenize(prompt, parse_special=special)
-        if not tokens:
-            raise ConfigError("the prompt tokenizes to nothing")
+        self._live()
+        sampling = GREEDY if sampling is None else sampling
+        if not isinstance(sampling, SamplingParams):
+            raise ConfigError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        stops = StopStrings(stop)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ConfigError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        tokens = self._prompt_tokens(prompt, special)
+        if forced is not None and len(forced) < max_tokens:
+            raise ConfigError(f"forced holds {len(forced)} tokens, fewer than max_tokens ({max_tokens})")
         if len(tokens) + max_tokens > self._model.n_ctx:
             raise ConfigError(
                 f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceed the context "
                 f"({self._model.n_ctx}); raise n_ctx"
             )
-        if forced is not None and len(forced) < max_tokens:
-            raise ConfigError(f"forced holds {len(forced)} tokens, fewer than max_tokens ({max_tokens})")
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
+            model = self._live()
+            self._cancel_requested = False
+            sampler = Sampler(model.vocab, model.n_vocab, sampling, tokens)
             stats = self._new_stats(len(tokens))
             self.last_stats = stats
             start = self._counters()
             decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            finish = "length"
+            completion = 0
             try:
-                self._model.clear_memory()
-                n_batch = self._model.n_batch
-                batches = [tokens[i : i + n_batch] for i in range(0, len(tokens), n_batch)]
+                reused = self._reuse_prefix(tokens)
+                n_batch = model.n_batch
+                rest = tokens[reused:]
+                batches = [rest[i : i + n_batch] for i in range(0, len(rest), n_batch)]
                 if self._recorder is not None:
                     self._recorder.turn = self._generations
                 self._generations += 1
-                m = await self._measured_decode(batches, 0, PHASE_PREFILL, 0)
-                stats.prefill_s = m.wall_s
-                for i in range(max_tokens):
-                    token = int(np.argmax(self._model.logits())) if forced is None else forced[i]
-                    if stop_at_end and self._model.is_end(token):
+                try:
+                    m = await self._measured_decode(batches, 0, PHASE_PREFILL, reused)
+                except DecodeAbortedError:
+                    if not self._stopping:
+                        raise
+                    finish, m = "cancelled", None
+                stats.prefill_s = m.wall_s if m is not None else 0.0
+                i = 0
+                while m is not None:
+                    if self._stopping:
+                        finish = "cancelled"
                         break
+                    logits = model.logits()
+                    token = sampler.sample(logits) if forced is None else forced[i]
+                    if stop_at_end and model.is_end(token):
+                        finish = "stop"
+                        break
+                    sampler.accept(token)
+                    completion += 1
                     stats.generated_tokens += 1
+                    lp = logprobs_of(logits, token, sampling.logprobs) if sampling.logprobs is not None else None
                     metrics = self._token_metrics(i, token, m, start)
-                    yield Piece(token, decoder.decode(self._model.piece(token)), metrics)
-                    if i + 1 == max_tokens:
+                    yield Piece(token, stops.feed(decoder.decode(model.piece(token))), metrics, lp)
+                    if stops.hit is not None:
+                        finish = "stop"
                         break
-                    m = await self._measured_decode([[token]], m.next_step, PHASE_DECODE, i)
+                    i += 1
+                    if i == max_tokens:
+                        break
+                    try:
+                        m = await self._measured_decode([[token]], m.next_step, PHASE_DECODE, i - 1)
+                    except DecodeAbortedError:
+                        if not self._stopping:
+                            raise
+                        finish = "cancelled"
+                        break
                     stats.decode_s += m.wall_s
-                tail = decoder.decode(b"", final=True)
-                if tail:
-                    yield Piece(None, tail)
+                tail = stops.feed(decoder.decode(b"", final=True)) + stops.flush()
+                usage = Usage(len(tokens), completion, len(tokens) - reused)
+                self.last_usage = usage
+                yield Piece(None, tail, finish_reason=finish, usage=usage)
             finally:
+                sampler.close()
                 self._finish_stats(stats, start)
 
-    def logits(self) -> np.ndarray:
-        """Scores of the last decoded position over the vocabulary (a view, valid until the next
-        decode: copy it to keep it)."""
-        return self._model.logits()
-
-    async def generate(self, prompt: str, max_tokens: int = 64, *, stop_at_end: bool = True) -> Generation:
+    async def generate(
+        self, prompt: str | Sequence[int], max_tokens: int = 64, *, sampling: SamplingParams | None = None,
+        stop: Sequence[str] | str | None = None, stop_at_end: bool = True, special: bool = False,
+    ) -> Generation:
+        """``stream`` gathered: the tokens, the text, why it finished, usage and stats."""
         out = Generation()
         parts = []
-        async for piece in self.stream(prompt, max_tokens, stop_at_end=stop_at_end):
+        logprobs = []
+        async for piece in self.stream(prompt, max_tokens, sampling=sampling, stop=stop,
+                                       stop_at_end=stop_at_end, special=special):
             if piece.token is not None:
                 out.tokens.append(piece.token)
+            if piece.logprob is not None:
+                logprobs.append(piece.logprob)
             parts.append(piece.text)
+            if piece.finish_reason is not None:
+                out.finish_reason, out.usage = piece.finish_reason, piece.usage
         out.text = "".join(parts)
         out.stats = self.last_stats
+        out.logprobs = logprobs if sampling is not None and sampling.logprobs is not None else None
         return out
+
+    def cancel(self) -> None:
+        """Stop the running generation at its next graph node (any thread); it ends with
+        ``finish_reason == "cancelled"``. Nothing happens when none is running."""
+        self._cancel_requested = True
+        if self._lock is not None and self._lock.locked():
+            self._callback.gate.abort(GenerationCancelled("generation cancelled"))
+
+    @property
+    def _stopping(self) -> bool:
+        return self._cancel_requested or self._closed
+
+    def _live(self) -> LlamaModel:
+        """The model, or SessionClosedError before any native call on a closed session."""
+        if self._closed:
+            raise SessionClosedError("the session is closed")
+        return self._model
+
+    def _prompt_tokens(self, prompt: str | Sequence[int], special: bool) -> list[int]:
+        if isinstance(prompt, str):
+            tokens = self._model.tokenize(prompt, parse_special=special)
+        elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            tokens = list(prompt)
+            bad = [t for t in tokens if not 0 <= t < self._model.n_vocab]
+            if bad:
+                raise ConfigError(f"token id {bad[0]} is outside the vocabulary (0..{self._model.n_vocab - 1})")
+        else:
+            raise ConfigError("a prompt is text or a list of token ids")
+        if not tokens:
+            raise ConfigError("the prompt tokenizes to nothing")
+        return tokens
+
+    def _reuse_prefix(self, tokens: list[int]) -> int:
+        """Keep the longest prefix the context already holds (at least the last prompt token is
+        evaluated again: its logits are needed); clear the rest. Returns the tokens kept."""
+        kv = self._kv or []
+        n = 0
+        if self.config.reuse_prompt and kv:
+            limit = min(len(kv), len(tokens) - 1)
+            a, b = np.asarray(kv[:limit]), np.asarray(tokens[:limit])
+            diff = np.flatnonzero(a != b)
+            n = int(diff[0]) if diff.size else limit
+        if n == 0 or not self._model.keep_prefix(n):
+            self._model.clear_memory()
+            n = 0
+        self._kv = kv[:n]
+        return n
 
     async def _decode(self, tokens: list[int], step: int, phase: int) -> None:
         streaming = self._streaming
+        self._decoding = True
         try:
             await self._compute.decode(tokens, step, phase, streaming.serve if streaming else None)
         except BaseExceptionGroup as group:
             raise first_error(group) from group
         finally:
-            if streaming:
+            self._decoding = False
+            if self._closed:
+                self._teardown()  # close() came during this decode and left the freeing to it
+            elif streaming:
                 streaming.end_step()
 
     def _counters(self) -> Counters | None:
@@ -276,6 +463,9 @@ class Session:
         if end is not None and start is not None:
             stats.add_counters(end - start)
             stats.resident_cache_bytes = self.resident_cache_bytes
+            stats.budget_bytes_end = self.budget_bytes
+            moves = self._streaming.budget_changes  # type: ignore[union-attr]
+            stats.budget_changes = [c.as_dict() for c in moves[len(moves) - (end - start).budget_changes:]]
             predictor = self._streaming.prefetch.predictor if self._streaming else None
             if predictor is not None:
                 stats.predict_accuracy_pct = predictor.accuracy_pct()
@@ -285,9 +475,15 @@ class Session:
         token (prompt index in prefill, decode iteration in decode)."""
         before, sample, t0 = self._counters(), ProcessSample.now(), time.perf_counter()
         for tokens in batches:
+            if self._stopping:
+                raise GenerationCancelled("generation cancelled")
             if self._recorder is not None:
                 self._recorder.begin_call(position)
+            kv, self._kv = self._kv, None  # unknown while a decode may be half done
             await self._decode(tokens, step, phase)
+            if kv is not None:
+                kv.extend(tokens)
+                self._kv = kv
             if self._recorder is not None:
                 self._recorder.end_call()
             step += 1
@@ -319,6 +515,7 @@ class Session:
             cpu_ms=(m.after.cpu_s - m.before.cpu_s) * 1e3,
             rss_bytes=rss_bytes(),
             resident_cache_bytes=self.resident_cache_bytes,
+            budget_bytes=self.budget_bytes,
         )
 
     @property
@@ -350,14 +547,37 @@ class Session:
 
     def set_cache_budget(self, budget_bytes: int) -> None:
         """Change the expert cache budget between generations; evicts down to it at once."""
+        self._live()
         if self._lock is not None and self._lock.locked():
             raise BmoeError("cannot change the cache budget while generating")
         if self._streaming is None:
             raise ConfigError("a resident session has no expert cache")
-        self._streaming.prefetch.evict(self._streaming.cache.set_budget(budget_bytes))
+        self._streaming.set_budget(budget_bytes)
+
+    @property
+    def pressure_guard(self) -> PressureGuard | None:
+        """The guard that moves the cache budget under memory pressure (None: no cache, or off)."""
+        return self._streaming.guard if self._streaming else None
 
     def close(self) -> None:
-        """Restore every rebound pointer before the memory behind it goes, then free the model."""
+        """Restore every rebound pointer before the memory behind it goes, then free the model.
+
+        A generation running on this session stops at its next graph node and ends with
+        ``finish_reason == "cancelled"``. If a decode is in flight, close returns at once and the
+        decode frees everything as soon as it has stopped (the stage tasks and the compute thread
+        still hold the regions until then). Every later call raises SessionClosedError; closing
+        twice is harmless. Call it on the thread of the session's event loop (SyncSession does).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._decoding:
+            self._callback.gate.abort(GenerationCancelled("the session was closed"))
+            return
+        self._teardown()
+
+    def _teardown(self) -> None:
+        self._compute.close()
         if self._recorder is not None:
             self._recorder.close()
             self._recorder = None
@@ -367,7 +587,6 @@ class Session:
         if self._dense is not None:
             self._dense.close()
             self._dense = None
-        self._compute.close()
         self._model.close()
 
     async def __aenter__(self) -> Session:

@@ -2,26 +2,34 @@
 
 Built once at open when the session streams; each decode call asks ``serve`` for the stage
 coroutines that answer its routing events, and ``end_step`` brings the cache back under its budget
-between decode calls.
+between decode calls. The budget is sized at open from a model of what else the process needs
+(``measure_needs``), and the pressure guard moves it while running: ``tick`` runs between layers
+(at each routing event, on the cache writer's side, and between decode calls), never in the eval
+callback.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 from bmoe.engine.config import RunConfig
+from bmoe.errors import BudgetError
 from bmoe.io.direct import ShardReader
+from bmoe.io.ggml import GgmlTensor
 from bmoe.io.layout import ModelLayout
 from bmoe.io.regions import map_count_limit
 from bmoe.metrics.stats import Counters
-from bmoe.pipeline.budget import Budget, read_meminfo, resolve_budget
+from bmoe.pipeline.budget import Budget, Needs, needs_from, parse_smaps, read_meminfo, resolve_budget, transient_bytes
 from bmoe.pipeline.cache import ExpertCache
 from bmoe.pipeline.channel import Channel
 from bmoe.pipeline.events import RoutingEvent
 from bmoe.pipeline.gate import RoutingGate
 from bmoe.pipeline.hooks import Hooks
 from bmoe.pipeline.policies import make_policy
+from bmoe.pipeline.pressure import BudgetChange, GuardSettings, PressureGuard
 from bmoe.pipeline.readiness import ReadinessBoard
 from bmoe.stages.bind import BindStage, Residency, SimResidency
 from bmoe.stages.prefetch import PrefetchStage
@@ -49,6 +57,28 @@ def recycling_fits(layout: ModelLayout, budget_bytes: int) -> bool:
     return entries * n_proj * 2 <= map_count_limit() // 2
 
 
+def read_smaps() -> str:
+    try:
+        with open("/proc/self/smaps") as f:
+            return f.read()
+    except OSError:
+        return ""  # no smaps (not Linux, or hidden): buffers and code count as 0, the margin remains
+
+
+def measure_needs(
+    layout: ModelLayout, *, dense_in_file: bool, n_batch: int, mem_total: int,
+    expert_data: Sequence[tuple[int, int]] = (),
+) -> Needs:
+    """What the process needs besides the cache, measured now (after the model and its context
+    are made, before the expert regions are reserved: their address space is not a need).
+    ``expert_data``: [start, end) of where the open put each expert tensor's bytes (never touched
+    once rebound)."""
+    smaps = parse_smaps(read_smaps(), [str(p) for p in layout.shards], expert_data)
+    transient = transient_bytes(layout.n_expert, layout.n_expert_used, n_batch, max(layout.entry_bytes().values()))
+    return needs_from(smaps=smaps, dense_bytes=layout.dense_bytes, dense_in_file=dense_in_file,
+                      transient=transient, mem_total=mem_total)
+
+
 class Streamer:
     """Owns what streaming needs; ``close`` restores llama.cpp's expert pointers first.
 
@@ -58,7 +88,7 @@ class Streamer:
 
     def __init__(
         self, residency: Residency | SimResidency, reader: Reader, cache: ExpertCache, gate: RoutingGate,
-        hooks: Hooks, io_threads: int, budget: Budget,
+        hooks: Hooks, io_threads: int, budget: Budget, guard: PressureGuard | None = None,
     ) -> None:
         self.residency = residency
         self.reader = reader
@@ -71,32 +101,46 @@ class Streamer:
         self.bind = BindStage(residency)
         self._gate = gate
         self.trim_s = 0.0
+        self.guard = guard
+        self.budget_changes: list[BudgetChange] = []
+        self.prefetch.between_layers = self.tick
         gate.set_resident_maps(residency.maps)
         residency.bind()
 
     @classmethod
     def live(
         cls, layout: ModelLayout, tensors: dict[tuple[int, str], int], config: RunConfig,
-        gate: RoutingGate, hooks: Hooks,
+        gate: RoutingGate, hooks: Hooks, *, dense_in_file: bool = True, n_batch: int = 512,
     ) -> Streamer:
+        """``dense_in_file``: the dense weights live in llama.cpp's file mapping (or are still to be
+        copied), not in anonymous memory the open already filled."""
         meminfo = read_meminfo()
+        mem_total = meminfo.get("MemTotal", 0)
+        nbytes = {(il, et.suffix): et.span.nbytes for il in layout.moe_layers for et in layout.layer_experts(il)}
+        expert_data = [(data, data + nbytes[key]) for key, addr in tensors.items()
+                       if (data := GgmlTensor.from_address(addr).data) and key in nbytes]
+        needs = measure_needs(layout, dense_in_file=dense_in_file, n_batch=n_batch, mem_total=mem_total,
+                              expert_data=expert_data)
         budget = resolve_budget(
             config.cache_bytes,
             ceiling=config.cache_ceiling_bytes,
             mem_available=meminfo.get("MemAvailable", 0),
-            mem_total=meminfo.get("MemTotal", 0),
-            dense_bytes=layout.dense_bytes,
+            needs=needs,
             expert_bank_bytes=layout.expert_bytes,
             working_set_bytes=layout.expert_bytes_per_token(),
+            force=config.force_cache,
         )
+        guard = None
+        if config.pressure_guard and budget.bytes > 0:
+            guard = PressureGuard(budget.bytes, GuardSettings.around(needs.margin + needs.kept_pages))
         cache = ExpertCache(budget.bytes, layout.entry_bytes(), make_policy(config.cache_policy))
-        residency = Residency(layout, tensors, recycle=recycling_fits(layout, budget.bytes))
+        residency = Residency(layout, tensors, recycle=recycling_fits(layout, budget.bytes), shared=budget.bytes == 0)
         try:
             reader = open_reader(layout, config.odirect)
         except BaseException:
             residency.close()
             raise
-        streamer = cls(residency, reader, cache, gate, hooks, config.io_threads, budget)
+        streamer = cls(residency, reader, cache, gate, hooks, config.io_threads, budget, guard)
         streamer.prefetch.lookahead = config.prefetch_layers
         return streamer
 
@@ -107,7 +151,7 @@ class Streamer:
             self.bind.read_wall_s, self._gate.blocked_s, self.prefetch.cache_s + self.trim_s,
             c.misses, c.hits, c.evictions,
             self.read.counters.speculative_bytes, c.speculated, c.speculation_useful,
-            self.residency.recycled_bytes,
+            self.residency.recycled_bytes, len(self.budget_changes),
         )
 
     def serve(self, events: Channel[RoutingEvent]) -> list:
@@ -116,11 +160,37 @@ class Streamer:
         return [self.prefetch.run(events, reads, binds), self.read.run(reads), self.bind.run(binds)]
 
     def end_step(self) -> None:
-        """Between decode steps: account fast-path hits and evict down to the budget."""
+        """Between decode steps: account fast-path hits, let the guard move the budget, and evict
+        down to it."""
         t0 = time.perf_counter()
         self.prefetch.account_fast_hits()
+        self.tick()
         self.prefetch.evict(self.cache.trim())
         self.trim_s += time.perf_counter() - t0
+
+    def tick(self) -> None:
+        """Between layers (no layer pinned, fast-path hits accounted): ask the guard, and on a
+        change evict down to the new budget at once, so the promise holds from this layer on."""
+        guard = self.guard
+        if guard is None:
+            return
+        change = guard.poll(self.cache.budget_bytes, self.cache.resident_bytes)
+        if change is None:
+            return
+        self.budget_changes.append(replace(change, step=self._gate.step))
+        self.prefetch.evict(self.cache.set_budget(change.new))
+
+    def set_budget(self, budget_bytes: int) -> None:
+        """A new budget from the caller (between generations): also the guard's new ceiling."""
+        if budget_bytes > 0 and getattr(self.residency, "shared", False):
+            raise BudgetError("this session was opened with the cache off: every layer shares one set of expert "
+                              "slots, so it cannot cache; open it with a cache budget instead")
+        self.prefetch.evict(self.cache.set_budget(budget_bytes))
+        if self.guard is not None:
+            self.guard.ceiling = budget_bytes
+
+    def budget_changes_since(self, count: int) -> list[BudgetChange]:
+        return self.budget_changes[count:]
 
     def close(self) -> None:
         self.lanes.shutdown(wait=True)

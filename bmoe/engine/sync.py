@@ -3,20 +3,28 @@
 It runs the session's coroutines on an event loop in a portal thread (anyio's blocking portal), so
 sync and async callers share one code path. Like the portal, it refuses to be used from an event
 loop thread: blocking there would deadlock the very loop the eval callback waits on.
+
+One generation at a time, as on Session. A ``stream()`` iterator left open holds the session: a
+new ``stream()`` or ``generate()`` closes it first (it ends there, as if its loop had broken), so
+forgetting to exhaust an iterator never deadlocks the next call. Calls from several threads wait
+their turn.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+import threading
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from anyio.from_thread import start_blocking_portal
 
 from bmoe.engine.aio import loop_backend_options
 from bmoe.engine.config import RunConfig
+from bmoe.engine.sampling import SamplingParams
 from bmoe.engine.session import Generation, Piece, Session
-from bmoe.errors import BmoeError
+from bmoe.errors import BmoeError, SessionClosedError
 from bmoe.pipeline.hooks import Hooks
 
 
@@ -28,7 +36,7 @@ def _refuse_on_loop_thread() -> None:
     raise BmoeError("SyncSession blocks: from async code, use Session and await it instead")
 
 
-async def _next_piece(agen: AsyncIterator[Piece]) -> Piece:
+async def _next(agen: AsyncIterator[Any]) -> Any:
     return await agen.__anext__()
 
 
@@ -37,39 +45,115 @@ class SyncSession:
         self.session = session
         self._portal_cm = start_blocking_portal("asyncio", loop_backend_options())
         self._portal = self._portal_cm.__enter__()
+        self._open_iter: Iterator[Any] | None = None
+        self._guard = threading.Lock()
 
     @classmethod
     def open(cls, path: str | Path, config: RunConfig | None = None, *, hooks: Hooks | None = None) -> SyncSession:
         return cls(Session.open(path, config, hooks=hooks))
 
-    def stream(self, prompt: str, max_tokens: int = 64, *, stop_at_end: bool = True) -> Iterator[Piece]:
+    def _begin(self) -> None:
+        """Refuse the loop thread and a closed session; close an iterator left open."""
         _refuse_on_loop_thread()
-        agen = self.session.stream(prompt, max_tokens, stop_at_end=stop_at_end)
+        if self._portal_cm is None:
+            raise SessionClosedError("the session is closed")
+        with self._guard:
+            old, self._open_iter = self._open_iter, None
+        if old is not None:
+            try:
+                old.close()  # type: ignore[attr-defined]
+            except ValueError:  # being iterated by another thread right now: wait for the lock
+                pass
+
+    def _iterate(self, agen: AsyncIterator[Any]) -> Iterator[Any]:
+        """Step ``agen`` on the portal; it ends quietly once the session is closed under it."""
         try:
-            while True:
+            while self._portal_cm is not None:
                 try:
-                    piece = self._portal.call(_next_piece, agen)
+                    item = self._portal.call(_next, agen)
                 except StopAsyncIteration:
                     return
-                yield piece
+                except RuntimeError:
+                    if self._portal_cm is None:  # the portal stopped: closed from another thread
+                        return
+                    raise
+                yield item
         finally:
-            self._portal.call(agen.aclose)
+            try:
+                if self._portal_cm is not None:
+                    self._portal.call(agen.aclose)  # type: ignore[attr-defined]
+            except RuntimeError:
+                pass
 
-    def generate(self, prompt: str, max_tokens: int = 64, *, stop_at_end: bool = True) -> Generation:
-        _refuse_on_loop_thread()
-        return self._portal.call(lambda: self.session.generate(prompt, max_tokens, stop_at_end=stop_at_end))
+    def _track(self, it: Iterator[Any]) -> Iterator[Any]:
+        with self._guard:
+            self._open_iter = it
+        return it
+
+    def stream(
+        self, prompt: str | Sequence[int], max_tokens: int = 64, *, sampling: SamplingParams | None = None,
+        stop: Sequence[str] | str | None = None, stop_at_end: bool = True, special: bool = False,
+    ) -> Iterator[Piece]:
+        self._begin()
+        agen = self.session.stream(prompt, max_tokens, sampling=sampling, stop=stop,
+                                   stop_at_end=stop_at_end, special=special)
+        return self._track(self._iterate(agen))
+
+    def generate(
+        self, prompt: str | Sequence[int], max_tokens: int = 64, *, sampling: SamplingParams | None = None,
+        stop: Sequence[str] | str | None = None, stop_at_end: bool = True, special: bool = False,
+    ) -> Generation:
+        self._begin()
+        return self._portal.call(lambda: self.session.generate(
+            prompt, max_tokens, sampling=sampling, stop=stop, stop_at_end=stop_at_end, special=special))
+
+    def create_completion(self, prompt: str | Sequence[int], **kwargs: Any) -> Any:
+        """llama-cpp-python's ``create_completion``: a dict, or an iterator of chunk dicts."""
+        self._begin()
+        out = self._portal.call(lambda: self.session.create_completion(prompt, **kwargs))
+        return self._track(self._iterate(out)) if kwargs.get("stream") else out
+
+    def create_chat_completion(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> Any:
+        """llama-cpp-python's ``create_chat_completion``: a dict, or an iterator of chunk dicts."""
+        self._begin()
+        out = self._portal.call(lambda: self.session.create_chat_completion(messages, **kwargs))
+        return self._track(self._iterate(out)) if kwargs.get("stream") else out
+
+    def tokenize(self, text: str, *, special: bool = False) -> list[int]:
+        return self._portal_call(self.session.tokenize, text, special=special)
+
+    def chat_template(self) -> bytes | None:
+        return self._portal_call(self.session.chat_template)
+
+    def cancel(self) -> None:
+        """Stop the running generation at its next graph node (from any thread)."""
+        self.session.cancel()
 
     def set_cache_budget(self, budget_bytes: int) -> None:
-        self.session.set_cache_budget(budget_bytes)
+        self._portal_call(self.session.set_cache_budget, budget_bytes)
+
+    def _portal_call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """A session call made on the loop thread, so it never runs beside a generation's step."""
+        _refuse_on_loop_thread()
+        if self._portal_cm is None:
+            raise SessionClosedError("the session is closed")
+        return self._portal.call(lambda: _call_async(fn, *args, **kwargs))
 
     def close(self) -> None:
-        if self._portal_cm is not None:
-            self._portal_cm.__exit__(None, None, None)
-            self._portal_cm = None
-        self.session.close()
+        """Close the session (a generation running on another thread ends as cancelled), then the
+        portal. Safe to call twice."""
+        if self._portal_cm is None:
+            return
+        self._portal.call(lambda: _call_async(self.session.close))
+        cm, self._portal_cm = self._portal_cm, None
+        cm.__exit__(None, None, None)
 
     def __enter__(self) -> SyncSession:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+async def _call_async(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)

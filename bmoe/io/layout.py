@@ -15,7 +15,7 @@ import os
 import re
 import struct
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
 from types import MappingProxyType
@@ -35,6 +35,7 @@ from bmoe.io.recipes import recipe_for
 # llama.cpp's split naming, "%s-%05d-of-%05d.gguf": %05d widens past 99999, hence \d{5,}.
 MAX_SHARDS = 10_000  # far beyond any published split; bounds the paths built from a name
 _SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5,})-of-(?P<count>\d{5,})\.gguf$")
+_BLOCK_NAME = re.compile(r"^blk\.(\d+)\.")
 _EXPERT_NAME = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<suffix>[^.]+)\.weight$")
 
 _MAGIC = b"GGUF"
@@ -47,6 +48,9 @@ _DEFAULT_ALIGNMENT = 32
 # corrupt length that still fits in a 100 GB file must not become a 100 GB allocation.
 _MAX_STRING = 1 << 24
 _MAX_DIMS = 4  # GGML_MAX_DIMS
+# Numeric arrays this long or shorter are decoded (per-layer values, at most LLAMA_MAX_LAYERS = 512);
+# longer ones (token scores, merges) are skipped.
+_MAX_KEPT_ARRAY = 1024
 # Smallest encodings: a KV is a key length, a type and a 1-byte value; a tensor info is a name
 # length, n_dims, one dimension, a type and an offset. They bound the header counts up front.
 _MIN_KV_BYTES = 8 + 4 + 1
@@ -100,7 +104,22 @@ class ModelLayout:
     tensors: Mapping[str, TensorSpan]
     experts: Mapping[tuple[int, str], ExpertTensor]  # (layer, suffix)
     moe_layers: tuple[int, ...]
-    metadata: Mapping[str, Scalar]  # scalar KVs of shard 1; arrays are omitted
+    metadata: Mapping[str, Scalar]  # scalar KVs of shard 1; arrays are in ``arrays``
+    # MTP / nextn blocks: the last ``n_nextn`` of the ``n_layer`` blocks. llama.cpp's plain load
+    # skips them (their tensors are not part of the model), so their experts are not in ``experts``.
+    n_nextn: int = 0
+    # Numeric arrays of shard 1 up to _MAX_KEPT_ARRAY elements (per-layer counts, rope sections).
+    arrays: Mapping[str, tuple[int | float | bool, ...]] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def main_layers(self) -> int:
+        """Blocks the plain load builds; MTP blocks come after them."""
+        return self.n_layer - self.n_nextn
+
+    @property
+    def skipped_bytes(self) -> int:
+        """Bytes of the MTP blocks' tensors: in the file, never loaded, never read."""
+        return sum(s.nbytes for s in self.tensors.values() if block_of(s.name) >= self.main_layers)
 
     @property
     def expert_bytes(self) -> int:
@@ -108,7 +127,8 @@ class ModelLayout:
 
     @property
     def dense_bytes(self) -> int:
-        return sum(s.nbytes for s in self.tensors.values()) - self.expert_bytes
+        """Everything the model holds besides the routed experts (MTP blocks excluded)."""
+        return sum(s.nbytes for s in self.tensors.values()) - self.expert_bytes - self.skipped_bytes
 
     @property
     def file_bytes(self) -> int:
@@ -119,6 +139,14 @@ class ModelLayout:
         """The layer's expert tensors in the order the graph consumes them (the recipe's order)."""
         suffixes = recipe_for(self.arch).expert_suffixes
         return tuple(self.experts[layer, s] for s in suffixes if (layer, s) in self.experts)
+
+    def layer_kinds(self) -> dict[int, str]:
+        """Per block: "moe" (routed experts), "mtp" (skipped by the plain load) or "dense"."""
+        moe = set(self.moe_layers)
+        return {
+            il: "mtp" if il >= self.main_layers else "moe" if il in moe else "dense"
+            for il in range(self.n_layer)
+        }
 
     def entry_bytes(self) -> dict[int, int]:
         """Per MoE layer, the bytes of one expert with all its projections (one cache entry)."""
@@ -138,6 +166,10 @@ class ShardIndex:
     metadata: Mapping[str, Scalar]  # scalar KVs; arrays are skipped, not decoded
     keys: frozenset[str]  # every key, arrays included
     tensors: tuple[TensorSpan, ...]
+    arrays: Mapping[str, tuple[int | float | bool, ...]] = field(default_factory=lambda: MappingProxyType({}))  # small numeric ones
+    # Where each array sits, (element type, count, offset of the first element), for checks that
+    # read one (the vocabulary, per-layer counts) without decoding every array at parse time.
+    array_spans: Mapping[str, tuple[int, int, int]] = field(default_factory=lambda: MappingProxyType({}))
 
 
 def split_shard_paths(path: Path) -> tuple[Path, ...]:
@@ -170,18 +202,35 @@ def build_layout(indexes: Sequence[ShardIndex]) -> ModelLayout:
             if span.name in tensors:
                 raise ModelFileError(f"{index.path}: tensor {span.name!r} appears twice in the set")
             tensors[span.name] = span
-    experts = _expert_tensors(tensors, recipe.expert_suffixes)
+    n_layer = _require_int(first, recipe.key("block_count"))
+    n_nextn = metadata.get(recipe.key("nextn_predict_layers"), 0)
+    if not isinstance(n_nextn, int) or isinstance(n_nextn, bool) or not 0 <= n_nextn <= n_layer:
+        raise ModelFileError(
+            f"{first.path}: {recipe.key('nextn_predict_layers')} is {n_nextn!r}, not in 0..{n_layer} (block_count)"
+        )
+    experts = {
+        key: et for key, et in _expert_tensors(tensors, recipe.expert_suffixes).items()
+        if key[0] < n_layer - n_nextn
+    }
     return ModelLayout(
         shards=tuple(ix.path for ix in indexes),
         arch=recipe.arch,
-        n_layer=_require_int(first, recipe.key("block_count")),
+        n_layer=n_layer,
         n_expert=_require_int(first, recipe.key("expert_count")),
         n_expert_used=_require_int(first, recipe.key("expert_used_count")),
         tensors=MappingProxyType(tensors),
         experts=MappingProxyType(experts),
         moe_layers=tuple(sorted({layer for layer, _ in experts})),
         metadata=metadata,
+        n_nextn=n_nextn,
+        arrays=first.arrays,
     )
+
+
+def block_of(name: str) -> int:
+    """The block index of a ``blk.<il>.`` tensor name; -1 for the others."""
+    m = _BLOCK_NAME.match(name)
+    return int(m[1]) if m else -1
 
 
 def expert_key(name: str, suffixes: tuple[str, ...]) -> tuple[int, str] | None:
@@ -286,6 +335,8 @@ class _Walker:
     def walk(self, version: int, n_kv: int, n_tensors: int, shard: int) -> ShardIndex:
         metadata: dict[str, Scalar] = {}
         keys: set[str] = set()
+        self.arrays: dict[str, tuple[int | float | bool, ...]] = {}
+        self.array_spans: dict[str, tuple[int, int, int]] = {}
         for _ in range(n_kv):
             self._kv(metadata, keys)
         alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))  # UINT32, checked in _kv
@@ -294,7 +345,10 @@ class _Walker:
         infos = [self._tensor_info() for _ in range(n_tensors)]
         data_start = -(-self.pos // alignment) * alignment
         spans = tuple(self._span(info, shard, data_start, alignment) for info in infos)
-        return ShardIndex(self.path, version, MappingProxyType(metadata), frozenset(keys), spans)
+        return ShardIndex(
+            self.path, version, MappingProxyType(metadata), frozenset(keys), spans,
+            MappingProxyType(self.arrays), MappingProxyType(self.array_spans),
+        )
 
     def _take(self, n: int, what: str) -> int:
         start = self.pos
@@ -349,8 +403,12 @@ class _Walker:
         count = self._u64(what)
         if etype == GGUFValueType.ARRAY:
             raise ModelFileError(f"{self.path}: metadata key {key!r} is a nested array")
+        self.array_spans[key] = (int(etype), count, self.pos)
         if etype != GGUFValueType.STRING:
-            self._take(count * _SCALARS[etype].size, what)
+            scalar = _SCALARS[etype]
+            start = self._take(count * scalar.size, what)
+            if count <= _MAX_KEPT_ARRAY:
+                self.arrays[key] = tuple(v for (v,) in scalar.iter_unpack(self.buf[start : start + count * scalar.size]))
             return
         if count > (self.size - self.pos) // 8:
             raise TruncatedFileError(f"{self.path}: {what} ({count} strings) runs past the end of the file")
@@ -375,6 +433,8 @@ class _Walker:
         self, info: tuple[str, tuple[int, ...], GGMLQuantizationType, int], shard: int, data_start: int, alignment: int
     ) -> TensorSpan:
         name, ne, ggml_type, rel = info
+        if ggml_type not in GGML_QUANT_SIZES:
+            raise ModelFileError(f"{self.path}: tensor {name!r} has ggml type {ggml_type.name}, which gguf-py cannot size")
         block, type_size = GGML_QUANT_SIZES[ggml_type]
         # Whole blocks per row: also what makes [.., .., n_expert] split evenly into experts.
         if ne[0] % block:

@@ -1,9 +1,16 @@
 """Architecture recipes: which tensors of a layer are the streamed experts, per architecture.
 
 A recipe holds only what differs between architectures and cannot be read from the file: the
-expert tensor suffixes and the metadata keys llama.cpp needs before it will load. Counts and sizes
-(layers, experts, top-k, bytes per expert) always come from the file itself. Pure data: importable
-without llama.cpp.
+expert tensor layouts llama.cpp accepts, the metadata keys it needs before it will load, the key
+that sizes the experts, and the facts about the pinned loader that decide how a file may be opened
+(read from ``src/models/<arch>.cpp`` of the pin; see ``../shared/ARCHITECTURES.md``). Counts and
+sizes (layers, which layers carry experts, experts, top-k, bytes per expert, MTP blocks) always
+come from the file itself. Pure data: importable without llama.cpp.
+
+Only tensors named ``blk.<il>.<suffix>.weight`` with a suffix of the recipe's layouts stream. Every
+other tensor with an expert dimension (router weights and biases, ``exp_probs_b``, gpt-oss's
+per-expert biases, ``.scale``) and every shared expert is small and stays resident with the dense
+weights, so it needs no entry here.
 """
 
 from __future__ import annotations
@@ -22,37 +29,95 @@ _COMMON_KEYS = (
     "expert_used_count",
 )
 
+SPLIT = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+FUSED = ("ffn_gate_up_exps", "ffn_down_exps")
+# The hybrid recurrent families' gated-delta-net / short-conv state keys.
+_SSM_KEYS = ("ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank", "ssm.group_count")
+
+EXPERT_WIDTH = "expert_feed_forward_length"
+FFN_WIDTH = "feed_forward_length"
+
 
 @dataclass(frozen=True)
 class Recipe:
     arch: str
-    # Expert tensor suffixes (`blk.<il>.<suffix>.weight`), in the order the graph consumes them.
-    expert_suffixes: tuple[str, ...]
+    # The expert tensor sets llama.cpp accepts for one layer (`blk.<il>.<suffix>.weight`); a MoE
+    # layer of a file holds exactly one of them. Listed in the order the graph consumes them.
+    layouts: tuple[tuple[str, ...], ...] = (SPLIT,)
     required_keys: tuple[str, ...] = _COMMON_KEYS
+    # The key whose value is the experts' FFN width (ne[1] of gate/up, ne[0] of down).
+    width_key: str = EXPERT_WIDTH
+    # llama.cpp's user open (init_from_user) always creates a fused ffn_gate_up_exps for this
+    # arch, so a file with split gate/up experts cannot be opened that way faithfully.
+    user_open_fuses: bool = False
+    # Some layers keep a recurrent state (gated delta net, short conv): an aborted decode can
+    # roll it back only within llama.cpp's snapshot budget.
+    recurrent: bool = False
+    # The graph takes ``expert_gating_func`` as written: absent (where the loader makes it
+    # optional) or 0 (NONE), llama.cpp aborts at context creation (build_moe_ffn's GGML_ABORT).
+    gating_required: bool = False
+    # ``rope.dimension_sections`` (IMROPE/MROPE archs): all-zero sections abort at first decode.
+    rope_sections: bool = False
+    # Tensor name suffixes llama.cpp's kernels assert to be F32 (gpt-oss sinks and biases).
+    f32_suffixes: tuple[str, ...] = ()
+    # How a hybrid marks its recurrent blocks: "interval" (every full_attention_interval-th block
+    # attends, default 4, or a per-block attention.recurrent_layers array) or "kv_heads" (a block
+    # with 0 KV heads is recurrent). With no attending block at all llama.cpp creates no KV buffer
+    # and asserts at the first decode (GGML_ASSERT(buffer), measured on a 2-block qwen35moe; an
+    # all-conv lfm2moe fails its load instead): refused in Python either way.
+    recurrent_marker: str = ""
 
     @property
-    def fused_gate_up(self) -> bool:
-        return "ffn_gate_up_exps" in self.expert_suffixes
+    def expert_suffixes(self) -> tuple[str, ...]:
+        """Every suffix of every layout, in graph order (fused gate_up first, down last)."""
+        out: list[str] = []
+        for layout in self.layouts:
+            out.extend(s for s in layout if s not in out)
+        return tuple(sorted(out, key=_GRAPH_ORDER.index))
 
     def key(self, name: str) -> str:
         return f"{self.arch}.{name}"
 
 
-_SPLIT_GLU = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+_GRAPH_ORDER = ("ffn_gate_up_exps", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+def _keys(*extra: str) -> tuple[str, ...]:
+    return _COMMON_KEYS + extra
+
 
 RECIPES: dict[str, Recipe] = {
     r.arch: r
     for r in (
-        Recipe("qwen3moe", _SPLIT_GLU, _COMMON_KEYS + ("expert_feed_forward_length",)),
+        Recipe("qwen3moe", required_keys=_keys(EXPERT_WIDTH)),
         # The shared expert (ffn_*_shexp) is a plain matmul: dense, so it stays resident.
-        Recipe("qwen2moe", _SPLIT_GLU, _COMMON_KEYS + ("expert_feed_forward_length",)),
-        Recipe("olmoe", _SPLIT_GLU),
-        Recipe("llama", _SPLIT_GLU),
+        Recipe("qwen2moe", required_keys=_keys(EXPERT_WIDTH)),
+        # olmoe and Mixtral size their experts by feed_forward_length, not the expert key.
+        Recipe("olmoe", required_keys=_keys(FFN_WIDTH), width_key=FFN_WIDTH),
+        Recipe("llama", required_keys=_keys(FFN_WIDTH), width_key=FFN_WIDTH),
+        Recipe("gemma4", (FUSED, SPLIT), _keys(EXPERT_WIDTH, FFN_WIDTH), user_open_fuses=True),
+        # MXFP4 experts; router bias, per-expert biases and attention sinks stay resident (F32).
         Recipe(
-            "gemma4",
-            ("ffn_gate_up_exps", "ffn_down_exps"),
-            _COMMON_KEYS + ("expert_feed_forward_length", "feed_forward_length"),
+            "gpt-oss", required_keys=_keys(EXPERT_WIDTH, "attention.sliding_window",
+                                           "attention.layer_norm_rms_epsilon"),
+            f32_suffixes=("attn_sinks.weight", "_exps.bias", "ffn_gate_inp.bias"),
         ),
+        Recipe("qwen35moe", (SPLIT, FUSED), _keys(EXPERT_WIDTH, "rope.dimension_sections", *_SSM_KEYS),
+               user_open_fuses=True, recurrent=True, rope_sections=True, recurrent_marker="interval"),
+        Recipe("qwen3next", (SPLIT, FUSED), _keys(EXPERT_WIDTH, *_SSM_KEYS), user_open_fuses=True, recurrent=True,
+               recurrent_marker="interval"),
+        Recipe("qwen3vlmoe", required_keys=_keys("rope.dimension_sections"), rope_sections=True),
+        Recipe("deepseek2", (SPLIT, FUSED), _keys(EXPERT_WIDTH, "expert_shared_count", "attention.kv_lora_rank"),
+               user_open_fuses=True),
+        Recipe("glm4moe", required_keys=_keys(EXPERT_WIDTH, "expert_shared_count")),
+        # Experts are {E, feed_forward_length, N}, yet the loader also requires the expert key.
+        Recipe("minimax-m2", required_keys=_keys(FFN_WIDTH, EXPERT_WIDTH), width_key=FFN_WIDTH,
+               gating_required=True),
+        Recipe("llama4", required_keys=_keys(EXPERT_WIDTH, "interleave_moe_layer_step")),
+        Recipe("bailingmoe2", required_keys=_keys(EXPERT_WIDTH, "expert_shared_count", "expert_gating_func"),
+               gating_required=True),
+        Recipe("lfm2moe", required_keys=_keys(EXPERT_WIDTH, "expert_gating_func", "shortconv.l_cache"),
+               recurrent=True, recurrent_marker="kv_heads", gating_required=True),
     )
 }
 

@@ -62,6 +62,15 @@ def map_count_limit() -> int:
         return 65530
 
 
+def map_count() -> int:
+    """Memory mappings this process holds now (lines of /proc/self/maps; 0 if unreadable)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+    except OSError:
+        return 0
+
+
 def release_pages(lo: int, hi: int) -> None:
     """Give the pages of [lo, hi) (page-aligned) back to the kernel; the range stays mapped."""
     _check(libc().madvise(lo, hi - lo, mmap.MADV_DONTNEED), "madvise(MADV_DONTNEED)")

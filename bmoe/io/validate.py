@@ -13,12 +13,15 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from gguf import GGMLQuantizationType
+
 from bmoe.errors import (
     ExpertLayoutError,
     MissingKeyError,
     MissingShardError,
     ModelFileError,
 )
+from bmoe.io.hparams import check_hparams
 from bmoe.io.layout import (
     ModelLayout,
     ShardIndex,
@@ -28,6 +31,8 @@ from bmoe.io.layout import (
     split_shard_paths,
 )
 from bmoe.io.recipes import Recipe, recipe_for
+
+GGML_F32 = int(GGMLQuantizationType.F32)
 
 _ARCH_KEY = "general.architecture"
 
@@ -42,9 +47,12 @@ def open_layout(path: str | os.PathLike[str]) -> ModelLayout:
     _check_split_keys(indexes)
     recipe = _recipe(indexes[0])
     _check_required_keys(indexes[0], recipe)
+    _check_aborting_metadata(indexes[0], recipe)
     layout = build_layout(indexes)
     _check_expert_counts(first, layout, recipe)
     _check_expert_tensors(first, layout, recipe)
+    _check_f32_tensors(first, layout, recipe)
+    check_hparams(indexes[0], layout)
     return layout
 
 
@@ -90,6 +98,84 @@ def _check_required_keys(first: ShardIndex, recipe: Recipe) -> None:
         raise MissingKeyError(f"{first.path}: {recipe.arch} needs metadata key(s) {', '.join(missing)}")
 
 
+# llama-hparams.h of the pin; beyond either llama.cpp asserts (abort) while loading.
+MAX_LAYERS = 512
+MAX_EXPERTS = 1024
+_GATING_FUNCS = (1, 2, 3, 4)  # softmax, sigmoid, softmax-weight, sqrt-softplus; 0 or others abort
+_ROPE_SCALING = ("none", "linear", "yarn", "longrope")
+
+
+def _int_key(first: ShardIndex, key: str) -> int | None:
+    value = first.metadata.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ModelFileError(f"{first.path}: metadata key {key!r} is {value!r}, not an integer")
+    return value
+
+
+def _check_aborting_metadata(first: ShardIndex, recipe: Recipe) -> None:
+    """Values the pinned llama.cpp meets with GGML_ASSERT / GGML_ABORT (the process dies) rather
+    than a load error (ARCHITECTURES.md section 6). Each becomes one clear line here."""
+    path, key = first.path, recipe.key
+    n_layer = _int_key(first, key("block_count"))
+    if n_layer is not None and not 1 <= n_layer <= MAX_LAYERS:
+        raise ModelFileError(f"{path}: {key('block_count')} is {n_layer}, outside 1..{MAX_LAYERS}")
+    nextn = _int_key(first, key("nextn_predict_layers"))
+    if nextn is not None and n_layer is not None and not 0 <= nextn <= n_layer:
+        raise ModelFileError(f"{path}: {key('nextn_predict_layers')} is {nextn}, more than {key('block_count')} {n_layer}")
+    n_expert = _int_key(first, key("expert_count")) or 0
+    if n_expert > MAX_EXPERTS:
+        raise ExpertLayoutError(f"{path}: {key('expert_count')} is {n_expert}, llama.cpp allows at most {MAX_EXPERTS}")
+    groups = _int_key(first, key("expert_group_count")) or 0
+    used_groups = _int_key(first, key("expert_group_used_count")) or 0
+    if groups > 1:
+        if groups >= n_expert or n_expert % groups:
+            raise ExpertLayoutError(f"{path}: {key('expert_group_count')} {groups} does not divide {n_expert} experts into groups")
+        if n_expert // groups < 2:
+            raise ExpertLayoutError(f"{path}: {groups} expert groups of {n_expert // groups}: grouped routing needs at least 2 per group")
+        if not 0 < used_groups < groups:
+            raise ExpertLayoutError(f"{path}: {key('expert_group_used_count')} is {used_groups}, outside 1..{groups - 1}")
+    gating_key = key("expert_gating_func")
+    gating = _int_key(first, gating_key)
+    if gating is None and recipe.gating_required:
+        raise MissingKeyError(f"{path}: {recipe.arch} needs metadata key {gating_key} (llama.cpp aborts without it)")
+    if gating is not None and gating not in _GATING_FUNCS and (gating != 0 or recipe.gating_required):
+        raise ModelFileError(f"{path}: {gating_key} is {gating}, not one of {', '.join(map(str, _GATING_FUNCS))}")
+    scaling = first.metadata.get(key("rope.scaling.type"))
+    if scaling is not None and scaling not in _ROPE_SCALING:
+        raise ModelFileError(f"{path}: {key('rope.scaling.type')} is {scaling!r}, not one of {', '.join(_ROPE_SCALING)}")
+    if n_layer is not None and recipe.recurrent_marker:
+        _check_some_block_attends(first, recipe, n_layer - (nextn or 0))
+    sections = first.arrays.get(key("rope.dimension_sections"))
+    if recipe.rope_sections and key("rope.dimension_sections") in first.keys:
+        if sections is None or not any(sections[:3]):
+            raise ModelFileError(f"{path}: {key('rope.dimension_sections')} is {sections!r}: all-zero sections abort the first decode")
+
+
+def _check_some_block_attends(first: ShardIndex, recipe: Recipe, n_main: int) -> None:
+    """A hybrid whose main blocks are all recurrent has no KV cache buffer: llama.cpp asserts."""
+    key = recipe.key
+    if recipe.recurrent_marker == "interval":
+        marks = first.arrays.get(key("attention.recurrent_layers"))
+        if marks is not None:
+            attends = not all(marks[:n_main])
+        else:
+            interval = _int_key(first, key("full_attention_interval"))
+            interval = 4 if interval is None else interval  # the loaders' default
+            attends = 0 < interval <= n_main
+        what = f"{key('full_attention_interval')} / attention.recurrent_layers"
+    else:
+        heads = first.arrays.get(key("attention.head_count_kv"))
+        scalar = first.metadata.get(key("attention.head_count_kv"))
+        attends = any(heads[:n_main]) if heads is not None else bool(scalar)
+        what = key("attention.head_count_kv")
+    if not attends:
+        raise ModelFileError(
+            f"{first.path}: none of the {n_main} blocks attends ({what}); llama.cpp cannot run a hybrid without one"
+        )
+
+
 def _check_expert_counts(path: Path, layout: ModelLayout, recipe: Recipe) -> None:
     if not 1 <= layout.n_expert_used <= layout.n_expert:
         raise ExpertLayoutError(
@@ -98,32 +184,72 @@ def _check_expert_counts(path: Path, layout: ModelLayout, recipe: Recipe) -> Non
         )
 
 
+def _check_f32_tensors(path: Path, layout: ModelLayout, recipe: Recipe) -> None:
+    """Tensors whose kernels assert F32 (gpt-oss sinks and biases): another type aborts at decode."""
+    for name, span in layout.tensors.items():
+        if span.ggml_type != GGML_F32 and any(name.endswith(s) for s in recipe.f32_suffixes):
+            raise ModelFileError(f"{path}: {name} is {GGMLQuantizationType(span.ggml_type).name}; llama.cpp needs F32 there")
+
+
+def _expert_width(layout: ModelLayout, recipe: Recipe, layer: int) -> int | None:
+    """The width key's value for ``layer`` (a scalar, or a per-layer array); None if absent."""
+    key = recipe.key(recipe.width_key)
+    value = layout.metadata.get(key)
+    if value is None and key in layout.arrays and layer < len(layout.arrays[key]):
+        value = layout.arrays[key][layer]
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def _check_expert_tensors(path: Path, layout: ModelLayout, recipe: Recipe) -> None:
     suffixes = recipe.expert_suffixes
     for name, span in layout.tensors.items():
         key = expert_key(name, suffixes)
+        if key is not None and key[0] >= layout.n_layer:
+            raise ExpertLayoutError(f"{path}: expert tensors in layer {key[0]}, but block_count is {layout.n_layer}")
+        if key is not None and key[0] >= layout.main_layers:
+            continue  # an MTP block's experts: llama.cpp skips them, so does bmoe
         if key is not None and key not in layout.experts:
             raise ExpertLayoutError(f"{path}: expert tensor {name!r} has shape {span.ne}, not [.., .., n_expert]")
     if not layout.experts:
         raise ExpertLayoutError(f"{path}: no expert tensors (blk.N.{{{','.join(suffixes)}}}.weight)")
     shapes: dict[str, tuple[int, ...]] = {}
     for layer in layout.moe_layers:
-        _check_layer(path, layout, suffixes, layer)
+        _check_layer(path, layout, recipe, layer)
         for e in layout.layer_experts(layer):
             # Shapes must agree across layers; types need not (mixed quantizations are normal).
             first = shapes.setdefault(e.suffix, e.span.ne)
             if e.span.ne != first:
                 raise ExpertLayoutError(f"{path}: {e.span.name} has shape {e.span.ne}, other layers have {first}")
+    # One layout for the whole file: bind and overlap plan per layer, but a mixed file is not one
+    # any converter writes and llama.cpp's fused/split choice is per layer too; refuse it plainly.
+    kinds = {tuple(e.suffix for e in layout.layer_experts(il)) for il in layout.moe_layers}
+    if len(kinds) > 1:
+        raise ExpertLayoutError(f"{path}: layers mix expert layouts {sorted(kinds)}")
 
 
-def _check_layer(path: Path, layout: ModelLayout, suffixes: tuple[str, ...], layer: int) -> None:
+def _check_layer(path: Path, layout: ModelLayout, recipe: Recipe, layer: int) -> None:
     if layer >= layout.n_layer:
         raise ExpertLayoutError(f"{path}: expert tensors in layer {layer}, but block_count is {layout.n_layer}")
-    missing = [s for s in suffixes if (layer, s) not in layout.experts]
-    if missing:
-        raise ExpertLayoutError(f"{path}: layer {layer} lacks expert tensor(s) {', '.join(missing)}")
+    have = tuple(e.suffix for e in layout.layer_experts(layer))
+    if not any(set(have) == set(choice) for choice in recipe.layouts):
+        nearest = max(recipe.layouts, key=lambda c: len(set(c) & set(have)))
+        missing = [s for s in nearest if s not in have]
+        if missing:
+            raise ExpertLayoutError(f"{path}: layer {layer} lacks expert tensor(s) {', '.join(missing)}")
+        want = " or ".join("{" + ",".join(c) + "}" for c in recipe.layouts)
+        raise ExpertLayoutError(f"{path}: layer {layer} has expert tensors {', '.join(have)}; {recipe.arch} takes {want}")
+    width = _expert_width(layout, recipe, layer)
+    if width is None:
+        raise MissingKeyError(
+            f"{path}: {recipe.key(recipe.width_key)} is missing or not an integer; {recipe.arch} sizes its experts by it"
+        )
     for e in layout.layer_experts(layer):
         if e.n_expert != layout.n_expert:
             raise ExpertLayoutError(
                 f"{path}: {e.span.name} holds {e.n_expert} experts, expert_count is {layout.n_expert}"
+            )
+        rows = e.span.ne[0] if e.suffix == "ffn_down_exps" else e.span.ne[1] // (2 if e.suffix == "ffn_gate_up_exps" else 1)
+        if rows != width:
+            raise ExpertLayoutError(
+                f"{path}: {e.span.name} has shape {e.span.ne}, but {recipe.key(recipe.width_key)} is {width}"
             )

@@ -18,6 +18,7 @@ from pathlib import Path
 import aiofiles
 
 from bmoe._version import __version__
+from bmoe.errors import OutputPathError
 from bmoe.metrics.tokens import TokenMetrics
 from bmoe.pipeline.channel import Channel
 
@@ -44,6 +45,15 @@ class LineSink:
         self._lines.close()
 
     async def run(self) -> None:
+        """Write until closed; a write that fails (a full disk, EIO) is one ``OutputPathError``
+        naming the file, raised once the generation has ended."""
+        try:
+            await self._write()
+        except OSError as e:
+            where = "standard error" if self._path is None else str(self._path)
+            raise OutputPathError(f"{where}: could not write: {e.strerror or e}") from e
+
+    async def _write(self) -> None:
         if self._path is None:
             out = aiofiles.stderr
             async for line in self._lines:

@@ -27,6 +27,7 @@ class Counters:
     prefetch_issued: int = 0
     prefetch_useful: int = 0
     recycled_bytes: int = 0
+    budget_changes: int = 0  # how many times the pressure guard moved the budget
 
     def __sub__(self, other: Counters) -> Counters:
         return Counters(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
@@ -49,7 +50,10 @@ class GenerationStats:
     cache_hits: int | None = None
     cache_evictions: int | None = None
     cache_s: float | None = None  # cache writer time: planning, evicting, trimming
-    budget_bytes: int | None = None
+    budget_bytes: int | None = None  # at the start of the generation
+    budget_bytes_end: int | None = None  # at its end (the pressure guard may move it)
+    # Each move of the budget by the pressure guard: t (monotonic s), old, new, why, step.
+    budget_changes: list[dict[str, object]] | None = None
     resident_cache_bytes: int | None = None  # at the end of the generation
     speculative_bytes: int | None = None  # of bytes_read, read ahead of need (prefetch)
     prefetch_issued: int | None = None  # experts read ahead into the cache

@@ -33,6 +33,7 @@ class TokenMetrics:
     cpu_ms: float
     rss_bytes: int
     resident_cache_bytes: int | None
+    budget_bytes: int | None = None  # the cache budget after this token (the pressure guard moves it)
 
     @classmethod
     def columns(cls) -> list[str]:

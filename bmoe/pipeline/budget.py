@@ -1,19 +1,31 @@
 """Sizing the expert cache budget: pure arithmetic over numbers the caller measured.
 
-``auto`` gives the cache what the machine can spare once, at open: available memory minus the
-dense weights minus a safety floor, clamped to a ceiling and to the whole expert bank (a bigger
-cache than the bank is never filled). Below one token's working set a cache that cycles through
-the layers in order (LRU) hits nothing at all; such a budget is allowed but earns a warning.
+The cache may have what the machine can spare once everything else the process needs is held
+(``Needs``): the dense weights while they live in a file mapping (the page cache counts them as
+available, yet they must stay), llama.cpp's KV cache and compute buffers still to be touched (their
+address space is allocated when the context is made, the pages come on first use), the
+interpreter's growth, the page cache of the code the process runs from, the prefill's transient
+union (a long prompt routes a layer to nearly every expert, all pinned at once), and a margin for
+the kernel and other programs. ``resolve_budget`` gives ``auto`` that figure, clamped to the whole
+expert bank (a bigger cache is never filled) and to a ceiling; a fixed budget that does not fit
+is refused with the figure that would fit, or only warned about when forced. Below one token's
+working set a cache that cycles through the layers in order (LRU) hits nothing at all: such a
+budget is allowed but earns a warning.
+
+The open-time figure is a forecast; ``bmoe.pipeline.pressure`` corrects it while running.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from bmoe.errors import BudgetError
 
 MiB = 1 << 20
 GiB = 1 << 30
+# What the interpreter may still grow by (token lists, numpy temporaries, asyncio bookkeeping).
+INTERPRETER_GROWTH = 64 * MiB
 
 
 @dataclass(frozen=True)
@@ -21,11 +33,59 @@ class Budget:
     bytes: int
     how: str  # one line: where the number came from
     warning: str | None = None
+    fit_bytes: int | None = None  # what the memory model said would fit (None: not modelled)
 
 
-def safety_floor(mem_total: int) -> int:
-    """Memory left to the OS, the page cache of the dense weights and the rest of the process."""
-    return max(GiB, mem_total // 10)
+def margin_bytes(mem_total: int) -> int:
+    """Left to the kernel and to other programs: 3 % of RAM, at least 256 MiB."""
+    return max(256 * MiB, mem_total * 3 // 100)
+
+
+@dataclass(frozen=True)
+class Needs:
+    """Memory the process needs besides the expert cache that MemAvailable does not yet account
+    as taken, in bytes. Anonymous memory already touched (the interpreter, dense weights copied
+    into anonymous memory or filled by the cheap open) is out of MemAvailable already: not here."""
+
+    dense: int  # dense weights held in a file mapping: page cache that must stay
+    buffers: int  # llama.cpp's KV and compute buffers (and any other allocation) not touched yet
+    code: int  # page cache of the mapped code and libraries the process runs from
+    transient: int  # the prefill's union: one layer's routed experts pinned at once
+    interpreter: int  # the interpreter's growth while running
+    margin: int  # the kernel's and other programs' share
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.buffers + self.code + self.transient + self.interpreter + self.margin
+
+    @property
+    def kept_pages(self) -> int:
+        """File pages the process needs to stay cached: counted in MemAvailable, yet ours."""
+        return self.dense + self.code
+
+    def describe(self) -> str:
+        parts = (("dense in the file mapping", self.dense), ("KV + compute buffers untouched", self.buffers),
+                 ("code", self.code), ("prefill union", self.transient), ("interpreter", self.interpreter),
+                 ("margin", self.margin))
+        return " - ".join(f"{n / MiB:.0f} MiB {what}" for what, n in parts)
+
+
+def transient_bytes(n_expert: int, n_expert_used: int, n_batch: int, max_entry_bytes: int) -> int:
+    """The most one prefill layer pins beyond the budget: its union of routed experts."""
+    return min(n_expert, n_batch * n_expert_used) * max_entry_bytes
+
+
+def needs_from(
+    *, smaps: SmapsTotals, dense_bytes: int, dense_in_file: bool, transient: int, mem_total: int
+) -> Needs:
+    return Needs(
+        dense=dense_bytes if dense_in_file else 0,
+        buffers=smaps.untouched_anon,
+        code=smaps.code_file,
+        transient=transient,
+        interpreter=INTERPRETER_GROWTH,
+        margin=margin_bytes(mem_total),
+    )
 
 
 def resolve_budget(
@@ -33,34 +93,96 @@ def resolve_budget(
     *,
     ceiling: int | None,
     mem_available: int,
-    mem_total: int,
-    dense_bytes: int,
+    needs: Needs,
     expert_bank_bytes: int,
     working_set_bytes: int,
+    force: bool = False,
 ) -> Budget:
-    """``requested`` None means auto; an explicit number is taken as given (0 = cache off)."""
+    """``requested`` None means auto; an explicit number (0 = cache off) must fit, unless forced."""
+    fit = max(0, mem_available - needs.total)
+    model = f"{mem_available / MiB:.0f} MiB available - {needs.describe()} = {fit / MiB:.0f} MiB"
+    warning = None
     if requested is not None:
         if requested < 0:
             raise BudgetError(f"cache budget must be >= 0, got {requested}")
         budget, how = requested, f"{requested / MiB:.0f} MiB as requested"
+        if min(requested, expert_bank_bytes) > fit:
+            text = f"a {requested / MiB:.0f} MiB cache does not fit in memory: {fit / MiB:.0f} MiB would ({model})"
+            if not force:
+                raise BudgetError(text + "; force it (--force) to run it anyway")
+            warning = text + "; running it anyway (forced): expect the kernel to reclaim the dense weights"
     else:
-        spare = mem_available - dense_bytes - safety_floor(mem_total)
-        budget = max(0, min(spare, expert_bank_bytes))
-        how = (
-            f"auto: {mem_available / MiB:.0f} MiB available - {dense_bytes / MiB:.0f} MiB dense - "
-            f"{safety_floor(mem_total) / MiB:.0f} MiB floor, at most the {expert_bank_bytes / MiB:.0f} "
-            "MiB expert bank"
-        )
+        budget = min(fit, expert_bank_bytes)
+        how = f"auto: {model}, at most the {expert_bank_bytes / MiB:.0f} MiB expert bank"
     if ceiling is not None and budget > ceiling:
         budget, how = ceiling, how + f", capped at {ceiling / MiB:.0f} MiB"
-    warning = None
     if 0 < budget < working_set_bytes:
-        warning = (
+        below = (
             f"cache budget {budget / MiB:.0f} MiB is below one token's working set "
             f"({working_set_bytes / MiB:.0f} MiB = MoE layers x experts used x expert bytes): "
             "an LRU cache then hits almost nothing"
         )
-    return Budget(budget, how, warning)
+        warning = below if warning is None else f"{warning}; {below}"
+    return Budget(budget, how, warning, fit)
+
+
+@dataclass(frozen=True)
+class SmapsTotals:
+    untouched_anon: int  # writable private anonymous address space not yet in RAM
+    code_file: int  # file-backed pages in RAM, the excluded files' aside
+
+
+def parse_smaps(
+    text: str, exclude_paths: Iterable[str] = (), exclude_ranges: Iterable[tuple[int, int]] = ()
+) -> SmapsTotals:
+    """Totals of ``/proc/<pid>/smaps`` text. ``exclude_paths``: files whose mappings are counted
+    elsewhere (the model's shards); ``exclude_ranges``: [start, end) address ranges whose mappings
+    are not needs (where the open put the expert tensors' bytes, never touched once they are
+    rebound to bmoe's own regions): their bytes are taken off the untouched part of the mappings
+    they overlap (the kernel merges neighbouring anonymous mappings, so a range may share one with
+    buffers that are needs). Thread stacks count as untouched anonymous memory too: a few MiB per
+    thread of overestimate, on the safe side."""
+    excluded = set(exclude_paths)
+    ranges = list(exclude_ranges)
+    untouched = code = 0
+    kind: str | None = None  # "anon", "file" or None (not counted)
+    size = rss = anon = 0
+    start = end = 0
+
+    def flush() -> None:
+        nonlocal untouched, code
+        if kind == "anon":
+            skip = sum(max(0, min(end, hi) - max(start, lo)) for lo, hi in ranges)
+            untouched += max(0, size - rss - skip)
+        elif kind == "file":
+            code += max(0, rss - anon)
+
+    for line in text.splitlines():
+        head = line.split(None, 5)
+        if head and "-" in head[0] and not head[0].endswith(":"):
+            flush()
+            size = rss = anon = 0
+            perms = head[1] if len(head) > 1 else ""
+            path = head[5].strip() if len(head) > 5 else ""
+            lo, _, hi = head[0].partition("-")
+            start, end = int(lo, 16), int(hi, 16)
+            if path.startswith("/"):
+                kind = None if path in excluded else "file"
+            elif path in ("", "[heap]") and perms[:2] == "rw" and perms[3:4] == "p":
+                kind = "anon"
+            else:
+                kind = None
+            continue
+        if len(head) >= 2 and head[0] in ("Size:", "Rss:", "Anonymous:"):
+            value = int(head[1]) * 1024
+            if head[0] == "Size:":
+                size = value
+            elif head[0] == "Rss:":
+                rss = value
+            else:
+                anon = value
+    flush()
+    return SmapsTotals(untouched, code)
 
 
 def read_meminfo(path: str = "/proc/meminfo") -> dict[str, int]:

@@ -10,7 +10,7 @@ A budget of 0 is "cache off": every routed expert is read every time it is used.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Set
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -29,8 +29,9 @@ class EvictionPolicy(Protocol):
     A policy may also define any of these optional hooks (``ExpertCache`` calls them when present):
 
     - ``configure(budget_bytes, entry_bytes)``: at construction and whenever the budget changes;
-    - ``routed(layer, experts)``: first thing in every ``plan``, with the layer's routed
-      set (a position in the layer cycle, the current layer's pinned set);
+    - ``routed(layer, experts, ranks)``: first thing in every ``plan``, with the layer's routed
+      set (a position in the layer cycle, the current layer's pinned set) and, when known, each
+      expert's best router rank (0 = the highest weight; None when the caller has none);
     - ``step_end()``: at each ``trim``, i.e. between llama_decode calls.
     """
 
@@ -92,10 +93,11 @@ class ExpertCache:
     def is_resident(self, layer: int, expert: int) -> bool:
         return (layer, expert) in self._resident
 
-    def plan(self, layer: int, experts: Iterable[int]) -> Plan:
-        """Serve one layer's routed set: hits are used, misses admitted, room made by eviction."""
+    def plan(self, layer: int, experts: Iterable[int], ranks: Sequence[int] | None = None) -> Plan:
+        """Serve one layer's routed set: hits are used, misses admitted, room made by eviction.
+        ``ranks``: per expert, its best router rank, passed on to the policy."""
         routed = tuple(experts)
-        self._routed(layer, routed)
+        self._routed(layer, routed, None if ranks is None else tuple(ranks))
         hits = tuple(e for e in routed if (layer, e) in self._resident)
         misses = tuple(e for e in routed if (layer, e) not in self._resident)
         for e in hits:

@@ -11,6 +11,8 @@ import concurrent.futures
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
+
 PHASE_PREFILL = 0
 PHASE_DECODE = 1
 MAX_PROJ = 3  # expert projections per layer: gate, up, down (or gate_up, down)
@@ -46,11 +48,27 @@ class RoutingEvent:
     # A prediction made before this layer routed: (later layer, its expected experts), read ahead
     # once this layer's own reads are issued. Riding on the event saves the loop a round trip.
     ahead: tuple[int, tuple[int, ...]] | None = None
+    # Per expert of ``experts``, its best router rank over the ubatch (0 = the highest weight):
+    # llama.cpp's top-k rows are in descending weight order, so a rank is a column of ``rows``.
+    ranks: tuple[int, ...] | None = None
 
     def fail(self, error: BaseException) -> None:
         for fut in (*self.proj_ready, self.reply, self.planned, *self.expert_ready.values()):
             if not fut.done():
                 fut.set_exception(error)
+
+
+def routed_set(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The unique experts of a layer's top-k rows (sorted by id) and each one's best rank (its
+    smallest column: rows are in descending router weight). One stable sort, as ``np.unique``."""
+    n_tok, k = rows.shape
+    flat = rows.T.ravel()  # rank-major: every token's rank 0 first
+    order = np.argsort(flat, kind="stable")
+    ids = flat[order]
+    first = np.empty(ids.shape[0], dtype=bool)
+    first[:1] = True
+    np.not_equal(ids[1:], ids[:-1], out=first[1:])
+    return ids[first], order[first] // max(n_tok, 1)
 
 
 @dataclass(frozen=True, eq=False)

@@ -20,7 +20,7 @@ import numpy as np
 
 from bmoe.errors import DecodeAbortedError
 from bmoe.pipeline.channel import Channel
-from bmoe.pipeline.events import PHASE_DECODE, ReadAhead, RoutingEvent
+from bmoe.pipeline.events import PHASE_DECODE, ReadAhead, RoutingEvent, routed_set
 
 # Called on the compute thread for every routed layer once it is served, when set (route traces):
 # step, phase, layer, the routed ids (rows x k), the layer's unique experts, which of them were
@@ -38,8 +38,9 @@ class RoutingGate:
         self.aborting = False
         self.step = 0
         self.phase = PHASE_DECODE
-        # Layers served by the fast path, for the cache writer to account on the loop thread.
-        self.fast_hits: deque[tuple[int, np.ndarray]] = deque()
+        # Layers served by the fast path, for the cache writer to account on the loop thread:
+        # (layer, unique experts, their best router ranks).
+        self.fast_hits: deque[tuple[int, np.ndarray, np.ndarray]] = deque()
         self.blocked_s = 0.0  # compute thread time spent waiting for the pipeline
         self.tap: Tap | None = None
         # Overlap: per layer, the projection to wait for at routing (the first one consumed); the
@@ -80,13 +81,16 @@ class RoutingGate:
         for event in list(self._pending):
             event.fail(error)
 
-    def route(self, layer: int, rows: np.ndarray) -> None:
-        """Serve one layer's routing (``rows``: routed ids, one row per token); blocks until ready."""
-        experts = np.unique(rows)
+    def route(self, layer: int, rows: np.ndarray, ranks: np.ndarray | None = None) -> None:
+        """Serve one layer's routing (``rows``: routed ids, one row per token, in the router's
+        order); blocks until ready. ``ranks`` (replay) overrides the ranks the rows' order gives."""
+        experts, row_ranks = routed_set(rows)
+        if ranks is None:
+            ranks = row_ranks
         resident = self._resident[layer][experts]
         ahead, self._ahead = self._ahead, None
         if resident.all():
-            self.fast_hits.append((layer, experts))
+            self.fast_hits.append((layer, experts, ranks))
             if self.tap is not None:
                 self.tap(self.step, self.phase, layer, rows, experts, resident, 0.0)
             if ahead is not None:
@@ -95,7 +99,8 @@ class RoutingGate:
         loop, events = self._loop, self._events
         if loop is None or events is None:
             raise DecodeAbortedError("routing event outside an armed decode")
-        event = RoutingEvent(layer, tuple(experts.tolist()), self.step, self.phase, ahead=ahead)
+        event = RoutingEvent(layer, tuple(experts.tolist()), self.step, self.phase, ahead=ahead,
+                             ranks=tuple(ranks.tolist()))
         self._pending.add(event)
         t0 = time.perf_counter()
         first = self.first_proj.get(layer) if self.first_proj is not None else None

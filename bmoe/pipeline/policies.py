@@ -115,7 +115,7 @@ class OptPolicy:
         self._pos = -1
         self._seq = 0
 
-    def routed(self, layer: int, experts: tuple[int, ...]) -> None:
+    def routed(self, layer: int, experts: tuple[int, ...], ranks: tuple[int, ...] | None = None) -> None:
         self._pos += 1
         if self._pos >= len(self._future_layers) or self._future_layers[self._pos] != layer:
             raise BudgetError(
@@ -269,7 +269,7 @@ class ExpectedReusePolicy:
         self._cycle = float(len(entry_bytes))
         self._measure_memory()
 
-    def routed(self, layer: int, experts: tuple[int, ...]) -> None:
+    def routed(self, layer: int, experts: tuple[int, ...], ranks: tuple[int, ...] | None = None) -> None:
         self._flush()
         self._pos += 1
         st = self._layer(layer)

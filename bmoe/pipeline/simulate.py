@@ -58,7 +58,7 @@ def simulate(
     worst = 0
     plan = cache.plan
     for ev in evs:
-        p = plan(ev.layer, ev.experts)
+        p = plan(ev.layer, ev.experts, ev.ranks)
         d = 1 if ev.phase == 1 else 0
         hits[d] += len(p.hits)
         n_miss = len(p.misses)

@@ -11,7 +11,8 @@ Format ``route_trace v1`` (the one in ``../shared/traces/``, written by BigMoeOn
     0,0,0,0,0,49,0.221297,0,3059712
 
 One row per routed slot: ``phase`` 0 = prefill, 1 = decode; ``step`` the token index; ``slot``
-the rank within the top-k; ``weight`` the router weight (``nan`` if the recorder had none);
+the rank within the top-k (0 = the highest router weight: llama.cpp's top-k rows are in
+descending weight order, and BigMoeOnEdge's traces too); ``weight`` the router weight (``nan`` if the recorder had none);
 ``residency`` 1 if the expert was already cached in the recorded run, and then ``expert_bytes``
 (the bytes read for it) is 0 (a prompt token's expert that an earlier token of the same call
 already read also reads 0).
@@ -62,13 +63,16 @@ _MODEL_KEYS = ("model", "arch", "n_layer", "n_expert", "n_expert_used")
 
 
 class Access(NamedTuple):
-    """The routed experts of one layer for one token (in slot order)."""
+    """The routed experts of one layer for one token (in slot order), with their slots (ranks)
+    and router weights."""
 
     turn: int
     phase: int
     step: int
     layer: int
     experts: tuple[int, ...]
+    slots: tuple[int, ...] = ()
+    weights: tuple[float, ...] = ()
 
 
 class LayerEvent(NamedTuple):
@@ -76,7 +80,9 @@ class LayerEvent(NamedTuple):
 
     ``experts`` are unique (sorted, as the eval callback hands them over, or in recorded order);
     ``ends_call`` marks the last layer of the call, after which the engine trims the cache;
-    ``step`` is the first token of the call.
+    ``step`` is the first token of the call. ``ranks`` and ``weights``: per expert of
+    ``experts``, its best router rank over the call's tokens (0 = the highest weight) and its
+    largest router weight (nan where the recorder had none); None when not known.
     """
 
     turn: int
@@ -85,6 +91,8 @@ class LayerEvent(NamedTuple):
     layer: int
     experts: tuple[int, ...]
     ends_call: bool
+    ranks: tuple[int, ...] | None = None
+    weights: tuple[float, ...] | None = None
 
 
 @dataclass
@@ -152,10 +160,13 @@ class RouteTrace:
         """
         bounds = self._group_bounds()
         experts = self.expert.tolist()
+        slots = self.slot.tolist()
+        weights = self.weight.tolist()
         turn, phase, step, layer = (a.tolist() for a in (self.turn, self.phase, self.step, self.layer))
         for i in range(len(bounds) - 1):
             a, b = int(bounds[i]), int(bounds[i + 1])
-            yield Access(turn[a], phase[a], step[a], layer[a], tuple(experts[a:b]))
+            yield Access(turn[a], phase[a], step[a], layer[a], tuple(experts[a:b]), tuple(slots[a:b]),
+                         tuple(weights[a:b]))
 
     def layer_events(
         self, ubatch: int | None = None, prefill: str = "batch", order: str = "engine"
@@ -220,27 +231,45 @@ class RouteTrace:
             head = call[0]
             if head.phase == 0 and prefill == "batch":
                 by_layer: dict[int, dict[int, None]] = {}
+                best: dict[int, dict[int, tuple[int, float]]] = {}
                 # Token-major within each layer, so "last use" follows the prompt's token order.
                 for acc in sorted(call, key=lambda a: (a.layer, a.step)):
                     seen = by_layer.setdefault(acc.layer, {})
-                    for e in acc.experts:
+                    top = best.setdefault(acc.layer, {})
+                    for e, r, w in zip(acc.experts, acc.slots, acc.weights):
                         seen.pop(e, None)
                         seen[e] = None
+                        r0, w0 = top.get(e, (r, w))
+                        top[e] = (min(r, r0), w if math.isnan(w0) else max(w, w0))
                 step0 = min(a.step for a in call)
                 group = [
-                    LayerEvent(head.turn, head.phase, step0, il, tuple(seen), False)
+                    LayerEvent(head.turn, head.phase, step0, il, tuple(seen), False,
+                               tuple(best[il][e][0] for e in seen), tuple(best[il][e][1] for e in seen))
                     for il, seen in by_layer.items()  # layer order of first appearance
                 ]
             else:
-                group = [
-                    LayerEvent(a.turn, a.phase, a.step, a.layer, tuple(dict.fromkeys(a.experts)), False)
-                    for a in call
-                ]
+                group = []
+                for a in call:
+                    top = {}
+                    for e, r, w in zip(a.experts, a.slots, a.weights):
+                        top.setdefault(e, (r, w))
+                    group.append(LayerEvent(a.turn, a.phase, a.step, a.layer, tuple(top), False,
+                                            tuple(v[0] for v in top.values()), tuple(v[1] for v in top.values())))
             if order == "engine":
-                group = [g._replace(experts=tuple(sorted(g.experts))) for g in group]
+                group = [_sorted_event(g) for g in group]
             group[-1] = group[-1]._replace(ends_call=True)
             events.extend(group)
         return events
+
+
+def _sorted_event(ev: LayerEvent) -> LayerEvent:
+    """The event with its experts sorted by id (ranks and weights follow)."""
+    order = sorted(range(len(ev.experts)), key=ev.experts.__getitem__)
+
+    def pick(values: tuple | None) -> tuple | None:
+        return None if values is None else tuple(values[i] for i in order)
+
+    return ev._replace(experts=pick(ev.experts), ranks=pick(ev.ranks), weights=pick(ev.weights))
 
 
 def _fail(path: str, lineno: int, what: str) -> TraceFormatError:

@@ -7,11 +7,19 @@ restoring the original pointers before the regions are freed; handing an evicted
 the experts about to be read, or releasing them; and the per-layer resident maps the eval
 callback's fast path reads. The bind stage waits for a layer's readiness futures, marks its
 experts resident and replies to the waiting callback.
+
+With the cache off for good (``shared``), every layer's tensors of one projection point into one
+shared slot region instead (``SlotView``: the layer's own offset mod 4096 inside it, so O_DIRECT
+still lands in place): layers run one after another, and the cache never keeps an expert past
+its layer, so one layer's worth of slots serves them all. Its pages are never given back: every
+read lands in memory already present (no fault, no zeroing, no page moves splitting mappings), at
+a fixed cost of one layer's expert bank at most.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -20,28 +28,54 @@ from dataclasses import dataclass
 import numpy as np
 
 from bmoe.errors import ReadError, SeamMismatchError, as_bmoe_error
+from bmoe.io.direct import DIRECT_ALIGN
 from bmoe.io.ggml import GgmlTensor
 from bmoe.io.layout import ExpertTensor, ModelLayout
-from bmoe.io.regions import Region, move_pages, release_pages
+from bmoe.io.regions import Region, map_count, map_count_limit, move_pages, release_pages
+
+MAP_CHECK_EVERY = 1024  # page moves between two counts of the process's mappings (~10 ms at 40 000)
 from bmoe.pipeline.cache import Entry, Plan
 from bmoe.pipeline.channel import Channel
 from bmoe.pipeline.events import ExpertKey, ReadRequest, RoutingEvent
 
 
+class SlotView:
+    """One layer's window on a shared slot region: its tensor at ``base``, nothing ever released."""
+
+    def __init__(self, slot: Region, head: int, nbytes: int) -> None:
+        self._slot = slot
+        self.base = slot.base + head
+        self.nbytes = nbytes
+
+    def fill(self, byte: int) -> None:
+        ctypes.memset(self.base, byte, self.nbytes)
+
+    def release(self, start: int, end: int) -> int:
+        return 0  # the pages stay: the next layer's reads land in them
+
+    def close(self) -> None:
+        pass  # the shared slot is closed by its owner
+
+
 class Residency:
     """``tensors`` None: regions are filled but no llama.cpp tensor points at them (replay).
-    ``recycle``: move evicted pages to the slots about to be read instead of faulting fresh ones."""
+    ``recycle``: move evicted pages to the slots about to be read instead of faulting fresh ones.
+    ``shared``: the cache is off for good: every layer reads into one shared set of slots."""
 
     def __init__(
-        self, layout: ModelLayout, tensors: Mapping[tuple[int, str], int] | None, recycle: bool = True
+        self, layout: ModelLayout, tensors: Mapping[tuple[int, str], int] | None, recycle: bool = True,
+        shared: bool = False,
     ) -> None:
         self.layout = layout
-        self.recycle = recycle
+        self.shared = shared
+        self.recycle = recycle and not shared
         self.recycled_bytes = 0
+        self._moves = 0
         self._experts: dict[int, tuple[ExpertTensor, ...]] = {
             il: layout.layer_experts(il) for il in layout.moe_layers
         }
-        self._regions: dict[tuple[int, int], Region] = {}
+        self._regions: dict[tuple[int, int], Region | SlotView] = {}
+        self._slots: list[Region] = []  # shared mode: one per projection
         self._structs: dict[tuple[int, int], GgmlTensor] = {}
         self._original: dict[tuple[int, int], int] = {}
         self.maps = [np.zeros(layout.n_expert, dtype=bool) for _ in range(layout.n_layer)]
@@ -59,6 +93,16 @@ class Residency:
                         f"nb[2]={struct.nb[2]}, the file index says {et.n_expert} x {et.stride} bytes"
                     )
                 self._structs[il, p] = struct
+        if shared:
+            span: dict[int, int] = {}
+            for experts in self._experts.values():
+                for p, et in enumerate(experts):
+                    span[p] = max(span.get(p, 0), et.span.offset % DIRECT_ALIGN + et.span.nbytes)
+            self._slots = [Region(span[p], 0) for p in sorted(span)]
+            for il, experts in self._experts.items():
+                for p, et in enumerate(experts):
+                    self._regions[il, p] = SlotView(self._slots[p], et.span.offset % DIRECT_ALIGN, et.span.nbytes)
+            return
         for il, experts in self._experts.items():
             for p, et in enumerate(experts):
                 self._regions[il, p] = Region(et.span.nbytes, et.span.offset)
@@ -111,6 +155,10 @@ class Residency:
         """Evict ``evicted`` (no read may be in flight into them) and move their pages into the
         slots of ``needed``, about to be read; pages left over are released. A slot given only
         part of what it needs faults the rest in when its read lands."""
+        if self.shared:
+            for layer, expert in evicted:
+                self.maps[layer][expert] = False
+            return
         donors: deque[list[int]] = deque()
         for layer, expert in evicted:
             self.maps[layer][expert] = False
@@ -130,6 +178,11 @@ class Residency:
             if not move_pages(donor[0], lo, n):
                 self.recycle = False  # refused once (old kernel, map count): fault from now on
                 return
+            self._moves += 1
+            if self._moves % MAP_CHECK_EVERY == 0 and map_count() > map_count_limit() * 3 // 5:
+                # Every move can split a mapping for good: stop before the process's mappings run
+                # out for llama.cpp and the allocator (a refused mmap there is a crash).
+                self.recycle = False
             donor[0] += n
             lo += n
             self.recycled_bytes += n
@@ -138,7 +191,8 @@ class Residency:
 
     def resident_bytes(self) -> int:
         """Bytes of all regions in RAM now (a measurement: allocates)."""
-        return sum(region.resident_bytes() for region in self._regions.values())
+        regions = self._slots if self.shared else self._regions.values()
+        return sum(region.resident_bytes() for region in regions)  # type: ignore[union-attr]
 
     def _pages(self, layer: int, expert: int) -> list[tuple[int, int]]:
         return [
@@ -148,9 +202,10 @@ class Residency:
 
     def close(self) -> None:
         self.restore()
-        for region in self._regions.values():
+        for region in [*self._regions.values(), *self._slots]:
             region.close()
         self._regions.clear()
+        self._slots.clear()
 
 
 class SimResidency:

@@ -11,7 +11,7 @@ import asyncio
 import concurrent.futures
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import partial
 
@@ -39,7 +39,7 @@ class PrefetchStage:
         cache: ExpertCache,
         residency: Residency,
         board: ReadinessBoard,
-        fast_hits: deque[tuple[int, np.ndarray]],
+        fast_hits: deque[tuple[int, np.ndarray, np.ndarray]],
         hooks: Hooks,
     ) -> None:
         self._cache = cache
@@ -62,18 +62,21 @@ class PrefetchStage:
         # Admissions per entry: a failed read undoes only the admission it was issued for, never
         # a later one of the same expert read since.
         self._admissions: dict[tuple[int, int], int] = {}
+        # Called at each routing event once earlier fast-path layers are accounted and before the
+        # layer is planned (the pressure guard): no layer is pinned, the compute thread waits.
+        self.between_layers: Callable[[], None] | None = None
 
     def account_fast_hits(self) -> None:
         """Plan the layers the routing gate served alone because all were resident, in order: the
         cache sees one plan per routed layer, exactly as a replay of the same routing does."""
         fast = self._fast_hits
         while fast:
-            layer, experts = fast.popleft()
-            self._plan(layer, tuple(experts.tolist()))
+            layer, experts, ranks = fast.popleft()
+            self._plan(layer, tuple(experts.tolist()), tuple(ranks.tolist()))
 
-    def _plan(self, layer: int, routed: tuple[int, ...]) -> Plan:
+    def _plan(self, layer: int, routed: tuple[int, ...], ranks: tuple[int, ...] | None = None) -> Plan:
         """Plan one routed layer, release what it evicts, and remember what it routed."""
-        plan = self._cache.plan(layer, routed)
+        plan = self._cache.plan(layer, routed, ranks)
         self.evict(plan.evictions, [(layer, e) for e in plan.misses])
         self._last[layer] = routed
         if self.predictor is not None:
@@ -111,7 +114,9 @@ class PrefetchStage:
                     continue
                 t0 = time.perf_counter()
                 self.account_fast_hits()
-                plan = self._plan(event.layer, event.experts)
+                if self.between_layers is not None:
+                    self.between_layers()
+                plan = self._plan(event.layer, event.experts, event.ranks)
                 self.cache_s += time.perf_counter() - t0
                 if self._hooks.on_plan:
                     self._hooks.on_plan(event, plan)

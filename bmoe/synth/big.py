@@ -62,6 +62,7 @@ from gguf import (
 )
 
 from bmoe.errors import ConfigError
+from bmoe.synth.families import FAMILIES
 from bmoe.synth.shapes import ROUTING_PROFILES, MoeShape, get_shape
 from bmoe.synth.tiny import write_moe_keys
 from bmoe.synth.vocab import (
@@ -550,7 +551,119 @@ def _write_metadata(w: GGUFWriter, spec: SynthSpec, shape: MoeShape, vocab: Voca
 def planned(spec: SynthSpec) -> tuple[MoeShape, Vocab, list[PlannedTensor]]:
     shape = spec.validate()
     vocab = padded_vocab(shape.n_vocab)
+    if shape.arch in FAMILIES:
+        return shape, vocab, _FamilyBuilder(spec, shape, vocab).plan()
     return shape, vocab, plan(spec, shape, vocab)
+
+
+# ---- the families of bmoe.synth.families, at real widths ------------------------------------------
+
+MXFP4 = GGMLQuantizationType.MXFP4
+_FP4_STD = 2.9  # std of a uniform random e2m1 nibble (values 0, +-0.5 .. +-6)
+
+
+def _mxfp4_blocks(bits: np.random.BitGenerator, n_blocks: int, std: float) -> np.ndarray:
+    """Random MXFP4 blocks (an E8M0 power-of-two scale, 16 bytes of e2m1 nibbles) of about ``std``."""
+    raw = bits.random_raw(-(-n_blocks * 17 // 8)).view(np.uint8)[: n_blocks * 17]
+    blocks = raw.reshape(n_blocks, 17)
+    blocks[:, 0] = np.uint8(127 + round(math.log2(std / _FP4_STD)))
+    return raw
+
+
+class _FamilyBuilder:
+    """The builder ``bmoe.synth.families`` plans with, making random blocks at a shape's widths:
+    dense matrices Q8_0, routers, norms and biases F32, experts the spec's type (gpt-oss: MXFP4)."""
+
+    def __init__(self, spec: SynthSpec, shape: MoeShape, vocab: Vocab) -> None:
+        self.synth, self.shape, self.vocab = spec, shape, vocab
+        family = FAMILIES[shape.arch]
+        self.family = family
+        self.E, self.F, self.hd = shape.n_embd, shape.n_ff_exp, shape.head_dim
+        self.F_dense, self.F_shexp = shape.n_ff, shape.n_ff_shexp or shape.n_ff_exp
+        self.n_head, self.n_head_kv = shape.n_head, shape.n_head_kv
+        self.dense_lead = shape.n_dense_lead
+        self.router_std = ROUTER_STD * shape.n_embd ** -0.5
+        self.x = {**dict(family.extra), **dict(shape.extra)}
+        self.spec = _FamilySpec(spec.layers(shape), shape.n_nextn, shape.n_expert)
+        self.out: list[PlannedTensor] = []
+
+    def plan(self) -> list[PlannedTensor]:
+        E, V = self.E, self.shape.n_vocab
+        self.mat("token_embd.weight", (V, E), 1.0)
+        self.ones(self.family.output_norm, E)
+        self.mat("output.weight", (V, E), E ** -0.5, zero_rows=CONTROL_IDS)
+        for il in range(self.spec.n_block):
+            self.family.layer(self, il)  # type: ignore[arg-type]
+        return self.out
+
+    def mat(self, name: str, shape: tuple[int, ...], std: float, zero_rows: tuple[int, ...] = (),
+            qtype: GGMLQuantizationType | None = None) -> None:
+        if name.endswith("ffn_gate_inp.weight"):  # routers stay F32, as in the qwen plan
+            self.f32(name, shape, std)
+            return
+        seed = self.synth.seed
+        if qtype == MXFP4:
+            self.out.append(self._mxfp4(name, shape, std))
+            return
+        patch = _zero_rows_set(zero_rows) if zero_rows else None
+        self.out.append(_matrix(seed, name, shape, qtype or DENSE, std, patch))
+
+    def _mxfp4(self, name: str, shape: tuple[int, ...], std: float) -> PlannedTensor:
+        seed, rows = self.synth.seed, int(np.prod(shape[:-1]))
+        blocks_per_row = shape[-1] // QK
+        per = _rows_per_chunk(blocks_per_row * 17)
+
+        def chunks() -> Iterator[np.ndarray]:
+            bits = _bits(seed, name)
+            for r0 in range(0, rows, per):
+                yield _mxfp4_blocks(bits, min(per, rows - r0) * blocks_per_row, std)
+
+        return PlannedTensor(name, shape, MXFP4, chunks)
+
+    def f32(self, name: str, shape: tuple[int, ...], std: float) -> None:
+        seed = self.synth.seed
+        self.out.append(_f32(name, shape, lambda: _gen(seed, name).standard_normal(shape, dtype=np.float32) * std))
+
+    def ones(self, name: str, n: int) -> None:
+        self.const(name, n, 1.0)
+
+    def const(self, name: str, n: int, value: float) -> None:
+        self.out.append(_f32(name, (n,), lambda: np.full((n,), value, dtype=np.float32)))
+
+    def experts(self, p: str, qtype: GGMLQuantizationType | None = None) -> None:
+        E, F, N = self.E, self.F, self.shape.n_expert
+        wq = qtype or WTYPES[self.synth.wtype][0]
+        self.mat(p + "ffn_gate_exps.weight", (N, F, E), E ** -0.5, qtype=wq)
+        self.mat(p + "ffn_up_exps.weight", (N, F, E), E ** -0.5, qtype=wq)
+        self.mat(p + "ffn_down_exps.weight", (N, E, F), F ** -0.5, qtype=wq)
+
+    def write_metadata(self, w: GGUFWriter) -> None:
+        spec, shape, a = self.synth, self.shape, self.shape.arch
+        keys: dict[str, Any] = dict(
+            name=f"bmoe-synth-{shape.name}-l{self.spec.n_layer}-{spec.wtype}-s{spec.seed}-noskew",
+            file_type=int(WTYPES[spec.wtype][1]), context_length=shape.context_length, n_embd=shape.n_embd,
+            n_layer=self.spec.n_block, n_head=shape.n_head, n_head_kv=shape.n_head_kv, head_dim=shape.head_dim,
+            rms_eps=shape.rms_eps, rope_theta=shape.rope_theta, n_expert=shape.n_expert,
+            n_expert_used=spec.top_k(shape), n_ff_exp=shape.n_ff_exp, n_nextn=shape.n_nextn,
+        )
+        keys.update(self.family.overrides(self))  # type: ignore[arg-type]
+        write_moe_keys(w, a, **keys)
+        self.family.keys(w, self)  # type: ignore[arg-type]
+        write_tokenizer(w, self.vocab)
+
+
+@dataclass(frozen=True)
+class _FamilySpec:
+    """What a family plan reads of ``b.spec``: main blocks, MTP blocks, experts; never fused."""
+
+    n_layer: int
+    n_nextn: int
+    n_expert: int
+    fused: bool = False
+
+    @property
+    def n_block(self) -> int:
+        return self.n_layer + self.n_nextn
 
 
 DIRECT_ALIGN = 4096
@@ -665,7 +778,10 @@ def write_synth(path: str | os.PathLike, spec: SynthSpec,
     tmp = path.with_name(path.name + ".partial")
     try:
         w = _Writer(tmp, shape.arch)
-        _write_metadata(w, spec, shape, vocab)
+        if shape.arch in FAMILIES:
+            _FamilyBuilder(spec, shape, vocab).write_metadata(w)
+        else:
+            _write_metadata(w, spec, shape, vocab)
         for t in tensors:
             w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
         w.write_header_to_file()
@@ -710,6 +826,11 @@ def total_bytes(spec: SynthSpec) -> int:
     return sum(t.nbytes for t in planned(spec)[2])
 
 
+def _expert_type(tensors: list[PlannedTensor]) -> str:
+    """The routed experts' type as written (gpt-oss's are MXFP4 whatever --type says)."""
+    return next((t.qtype.name.lower() for t in tensors if t.name.endswith("_exps.weight")), "no")
+
+
 def describe(spec: SynthSpec) -> str:
     """One line: what the file is (for the CLI)."""
     shape, _, tensors = planned(spec)
@@ -719,7 +840,7 @@ def describe(spec: SynthSpec) -> str:
     if spec.skew:
         how = f"fitted per layer from {ROUTING_PROFILES[shape.name].source}"
     return (f"{shape.name} ({shape.source}): {shape.arch}, {n_layer} of {shape.n_layer} layers, "
-            f"{shape.n_expert} experts top-{spec.top_k(shape)}, {spec.wtype} experts, "
+            f"{shape.n_expert} experts top-{spec.top_k(shape)}, {_expert_type(tensors)} experts, "
             f"{total / 2**30:.2f} GiB of tensors; routing skew: {how}")
 
 
@@ -751,8 +872,10 @@ def add_synth_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
 
 
 def _cmd_synth(args: argparse.Namespace) -> int:
+    # Shapes without a routing profile (the families) get plain random routers, as describe() says.
+    skew = args.skew and get_shape(args.like).name in ROUTING_PROFILES
     spec = SynthSpec(like=args.like, n_layer=args.layers, wtype=args.wtype, seed=args.seed,
-                     skew=args.skew, n_expert_used=args.experts_used)
+                     skew=skew, n_expert_used=args.experts_used)
     check_destination(args.out, total_bytes(spec))
     print(describe(spec), file=sys.stderr)
     from tqdm import tqdm

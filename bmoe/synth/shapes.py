@@ -37,6 +37,10 @@ class MoeShape:
     qkv_bias: bool  # attention_bias (qwen3_moe) / always true for qwen2_moe
     norm_topk: bool  # norm_topk_prob (informative: llama.cpp hard-codes it per architecture)
     source: str
+    # The families of bmoe.synth.families (written by their layer plans, plain random routers):
+    n_dense_lead: int = 0  # first_k_dense_replace: leading blocks with a dense FFN
+    n_nextn: int = 0  # num_nextn_predict_layers: MTP blocks after the main ones
+    extra: tuple[tuple[str, object], ...] = ()  # the family's own widths (Family.extra's keys)
 
     @property
     def q_dim(self) -> int:
@@ -95,6 +99,115 @@ SHAPES: dict[str, MoeShape] = {
         qkv_bias=True,  # Qwen2 attention: q/k/v projections with bias
         norm_topk=False,  # norm_topk_prob
         source="Qwen/Qwen1.5-MoE-A2.7B config.json",
+    ),
+    # The families below were written from the models' config.json values as published (field
+    # names beside them); this machine has no network, so they were not re-fetched for this entry.
+    # https://huggingface.co/openai/gpt-oss-20b/blob/main/config.json ("GptOssForCausalLM")
+    "gpt-oss-20b": MoeShape(
+        name="gpt-oss-20b", arch="gpt-oss",
+        n_layer=24,  # num_hidden_layers
+        n_embd=2880,  # hidden_size
+        n_expert=32,  # num_local_experts
+        n_expert_used=4,  # num_experts_per_tok (experts_per_token)
+        n_ff_exp=2880,  # intermediate_size (per expert; MXFP4 in every published GGUF)
+        n_ff=2880,  # no dense FFN: informative only
+        n_ff_shexp=0,
+        n_head=64,  # num_attention_heads
+        n_head_kv=8,  # num_key_value_heads
+        head_dim=64,  # head_dim
+        n_vocab=201088,  # vocab_size
+        context_length=131072,  # max_position_embeddings
+        rope_theta=150000.0,  # rope_theta
+        rms_eps=1e-5,  # rms_norm_eps
+        qkv_bias=True,  # attention_bias
+        norm_topk=False,  # softmax over the top-k logits (SOFTMAX_WEIGHT)
+        source="openai/gpt-oss-20b config.json",
+        extra=(("sliding_window", 128),),  # sliding_window
+    ),
+    # https://huggingface.co/openai/gpt-oss-120b/blob/main/config.json
+    "gpt-oss-120b": MoeShape(
+        name="gpt-oss-120b", arch="gpt-oss",
+        n_layer=36, n_embd=2880, n_expert=128, n_expert_used=4, n_ff_exp=2880, n_ff=2880, n_ff_shexp=0,
+        n_head=64, n_head_kv=8, head_dim=64, n_vocab=201088, context_length=131072,
+        rope_theta=150000.0, rms_eps=1e-5, qkv_bias=True, norm_topk=False,
+        source="openai/gpt-oss-120b config.json", extra=(("sliding_window", 128),),
+    ),
+    # https://huggingface.co/zai-org/GLM-4.5-Air/blob/main/config.json ("Glm4MoeForCausalLM")
+    "glm-4.5-air": MoeShape(
+        name="glm-4.5-air", arch="glm4moe",
+        n_layer=46,  # num_hidden_layers
+        n_embd=4096,  # hidden_size
+        n_expert=128,  # n_routed_experts
+        n_expert_used=8,  # num_experts_per_tok
+        n_ff_exp=1408,  # moe_intermediate_size
+        n_ff=10944,  # intermediate_size (the leading dense block)
+        n_ff_shexp=1408,  # moe_intermediate_size x n_shared_experts (1)
+        n_head=96,  # num_attention_heads
+        n_head_kv=8,  # num_key_value_heads
+        head_dim=128,  # head_dim
+        n_vocab=151552,  # vocab_size
+        context_length=131072,  # max_position_embeddings
+        rope_theta=1_000_000.0,  # rope_theta
+        rms_eps=1e-5,  # rms_norm_eps
+        qkv_bias=True,  # attention_bias
+        norm_topk=True,  # norm_topk_prob
+        source="zai-org/GLM-4.5-Air config.json",
+        n_dense_lead=1,  # first_k_dense_replace
+        n_nextn=1,  # num_nextn_predict_layers
+        extra=(("n_shared", 1),),  # n_shared_experts
+    ),
+    # https://huggingface.co/Qwen/Qwen3.5-35B-A3B/blob/main/config.json (text_config)
+    "qwen3.5-35b-a3b": MoeShape(
+        name="qwen3.5-35b-a3b", arch="qwen35moe",
+        n_layer=40,  # num_hidden_layers
+        n_embd=2048,  # hidden_size
+        n_expert=256,  # num_experts
+        n_expert_used=8,  # num_experts_per_tok
+        n_ff_exp=512,  # moe_intermediate_size
+        n_ff=512,  # no dense FFN: informative only
+        n_ff_shexp=512,  # shared_expert_intermediate_size
+        n_head=16,  # num_attention_heads
+        n_head_kv=2,  # num_key_value_heads
+        head_dim=256,  # head_dim
+        n_vocab=248320,  # vocab_size
+        context_length=262144,  # max_position_embeddings
+        rope_theta=10_000_000.0,  # rope_theta
+        rms_eps=1e-6,  # rms_norm_eps
+        qkv_bias=False,  # attention_bias
+        norm_topk=True,  # norm_topk_prob
+        source="Qwen/Qwen3.5-35B-A3B config.json",
+        n_nextn=1,  # mtp_num_hidden_layers
+        # linear_key_head_dim = linear_value_head_dim, linear_num_key_heads, linear_num_value_heads,
+        # linear_conv_kernel_dim, full_attention_interval, head_dim x partial_rotary_factor 0.25,
+        # mrope_section
+        extra=(("gdn_s", 128), ("gdn_kh", 16), ("gdn_vh", 32), ("gdn_kc", 4), ("full_attn", 4),
+               ("rope", 64), ("sections", (11, 11, 10, 0))),
+    ),
+    # https://huggingface.co/deepseek-ai/DeepSeek-V2-Lite/blob/main/config.json ("DeepseekV2ForCausalLM")
+    "deepseek-v2-lite": MoeShape(
+        name="deepseek-v2-lite", arch="deepseek2",
+        n_layer=27,  # num_hidden_layers (27: llama.cpp's "lite", no q_lora_rank needed)
+        n_embd=2048,  # hidden_size
+        n_expert=64,  # n_routed_experts
+        n_expert_used=6,  # num_experts_per_tok
+        n_ff_exp=1408,  # moe_intermediate_size
+        n_ff=10944,  # intermediate_size (the leading dense block)
+        n_ff_shexp=2816,  # moe_intermediate_size x n_shared_experts (2)
+        n_head=16,  # num_attention_heads
+        n_head_kv=16,  # num_key_value_heads
+        head_dim=192,  # qk_nope_head_dim + qk_rope_head_dim
+        n_vocab=102400,  # vocab_size
+        context_length=163840,  # max_position_embeddings
+        rope_theta=10000.0,  # rope_theta
+        rms_eps=1e-6,  # rms_norm_eps
+        qkv_bias=False,  # attention_bias
+        norm_topk=False,  # norm_topk_prob
+        source="deepseek-ai/DeepSeek-V2-Lite config.json",
+        n_dense_lead=1,  # first_k_dense_replace
+        # q_lora_rank null, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim,
+        # n_group 1 (no grouped routing), scoring_func softmax, n_shared_experts
+        extra=(("q_rank", 0), ("kv_rank", 512), ("nope", 128), ("rope", 64), ("v", 128), ("groups", None),
+               ("gating", 1), ("n_shared", 2)),
     ),
 }
 

@@ -25,9 +25,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileTy
 from gguf.quants import quantize
 
 from bmoe.errors import ConfigError
+from bmoe.synth.families import FAMILIES
 from bmoe.synth.vocab import CONTROL_IDS, Vocab, byte_vocab, write_tokenizer
 
-ARCHS = ("qwen3moe", "qwen2moe", "gemma4")
+CORE_ARCHS = ("qwen3moe", "qwen2moe", "gemma4")  # planned in this module; the others in families.py
+ARCHS = CORE_ARCHS + tuple(FAMILIES)
 
 _WTYPES = {
     "f32": (GGMLQuantizationType.F32, LlamaFileType.ALL_F32),
@@ -53,7 +55,7 @@ class TinySpec:
 
     arch: str = "qwen3moe"
     wtype: str = "f32"
-    n_layer: int = 2
+    n_layer: int | None = None  # main blocks; None: the family's default (2 for most)
     n_embd: int = 128
     n_expert: int = 8
     n_expert_used: int = 2
@@ -61,6 +63,16 @@ class TinySpec:
     seed: int = 0
     shards: int = 1
     fuse_gate_up: bool | None = None
+    n_nextn: int = 0  # MTP blocks after the main ones (block_count = n_layer + n_nextn)
+
+    def __post_init__(self) -> None:
+        if self.n_layer is None:
+            family = FAMILIES.get(self.arch)
+            object.__setattr__(self, "n_layer", family.default_layers if family else 2)
+
+    @property
+    def n_block(self) -> int:
+        return self.n_layer + self.n_nextn  # type: ignore[operator]
 
     @property
     def fused(self) -> bool:
@@ -73,8 +85,11 @@ class TinySpec:
             raise ConfigError(f"unknown arch {self.arch!r}; expected one of {', '.join(ARCHS)}")
         if self.wtype not in _WTYPES:
             raise ConfigError(f"unknown wtype {self.wtype!r}; expected one of {', '.join(_WTYPES)}")
-        min_layers = 2 if self.arch == "gemma4" else 1  # gemma4 needs a SWA and a full layer
-        if not min_layers <= self.n_layer <= 512:
+        family = FAMILIES.get(self.arch)
+        # gemma4 needs a SWA and a full layer; the families their own minimum (llama4: 4).
+        min_layers = family.min_layers if family else 2 if self.arch == "gemma4" else 1
+        assert self.n_layer is not None
+        if not min_layers <= self.n_layer <= 512 - self.n_nextn:
             raise ConfigError(f"n_layer must be in [{min_layers}, 512] for {self.arch}, got {self.n_layer}")
         if self.n_embd < 16 or self.n_embd % 16:
             raise ConfigError(f"n_embd must be a positive multiple of 16, got {self.n_embd}")
@@ -87,15 +102,19 @@ class TinySpec:
                 f"n_expert_used must be in [1, n_expert={self.n_expert}], got {self.n_expert_used}")
         if self.seed < 0:
             raise ConfigError(f"seed must be non-negative, got {self.seed}")
-        if self.fuse_gate_up and self.arch != "gemma4":
-            raise ConfigError(f"{self.arch} has no fused gate_up expert tensor; only gemma4 does")
+        if self.fuse_gate_up and not (self.arch == "gemma4" or (family and family.fuses_gate_up)):
+            raise ConfigError(f"{self.arch} has no fused gate_up expert tensor")
+        if self.n_nextn and not (family and family.mtp):
+            raise ConfigError(f"{self.arch} has no MTP blocks")
+        if not 0 <= self.n_nextn <= 1:
+            raise ConfigError(f"n_nextn must be 0 or 1, got {self.n_nextn}")
         if self.wtype == "q8_0":
             block = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0][0]
             for what, length in (("n_embd", self.n_embd), ("n_ff", self.n_ff)):
                 if length % block:
                     raise ConfigError(
                         f"q8_0 needs every row length to be a multiple of {block}; {what}={length}")
-        n_expert_tensors = self.n_layer * (2 if self.fused else 3)
+        n_expert_tensors = self.n_block * (2 if self.fused else 3)
         if not 1 <= self.shards <= n_expert_tensors:
             raise ConfigError(
                 f"shards must be in [1, {n_expert_tensors}] (each shard holds an expert tensor), "
@@ -180,8 +199,72 @@ def _ones(shape: tuple[int, ...]) -> Callable[[], Iterator[np.ndarray]]:
     return chunks
 
 
+def _const(shape: tuple[int, ...], value: float) -> Callable[[], Iterator[np.ndarray]]:
+    def chunks() -> Iterator[np.ndarray]:
+        yield np.full(shape, value, dtype=np.float32)
+
+    return chunks
+
+
+class _Builder:
+    """What a family's plan writes with: the spec's widths and one method per kind of tensor."""
+
+    def __init__(self, spec: TinySpec, dims: _Dims) -> None:
+        self.spec, self.dims = spec, dims
+        self.E, self.F, self.hd = spec.n_embd, spec.n_ff, dims.head_dim
+        self.F_dense = dims.n_ff_dense
+        self.n_head, self.n_head_kv = dims.n_head, dims.n_head_kv
+        self.dense_lead = 1  # families with leading dense blocks get one
+        self.F_shexp = spec.n_ff
+        family = FAMILIES.get(spec.arch)
+        self.x: dict[str, object] = dict(family.extra) if family else {}  # the family's own widths
+        self.router_std = ROUTER_LOGIT_STD * spec.n_embd ** -0.5  # the router sees a unit-RMS vector
+        self.wq = _WTYPES[spec.wtype][0]
+        self.out: list[_Tensor] = []
+
+    def mat(self, name: str, shape: tuple[int, ...], std: float, zero_rows: tuple[int, ...] = (),
+            qtype: GGMLQuantizationType | None = None) -> None:
+        self.out.append(_Tensor(name, shape, qtype or self.wq, _normal(self.spec.seed, name, shape, std, zero_rows)))
+
+    def f32(self, name: str, shape: tuple[int, ...], std: float) -> None:
+        """Random F32: biases, sinks, conv kernels (kernels assert F32, rows too short to quantize)."""
+        self.out.append(_Tensor(name, shape, GGMLQuantizationType.F32, _normal(self.spec.seed, name, shape, std)))
+
+    def ones(self, name: str, n: int) -> None:
+        self.const(name, n, 1.0)
+
+    def const(self, name: str, n: int, value: float) -> None:
+        self.out.append(_Tensor(name, (n,), GGMLQuantizationType.F32, _const((n,), value)))
+
+    def experts(self, p: str, qtype: GGMLQuantizationType | None = None) -> None:
+        E, F, N, seed = self.E, self.F, self.spec.n_expert, self.spec.seed
+        up_shape = (N, F, E)
+        if self.spec.fused:
+            self.out.append(_Tensor(p + "ffn_gate_up_exps.weight", (N, 2 * F, E), qtype or self.wq, _fused_gate_up(
+                seed, p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight", up_shape, E ** -0.5)))
+        else:
+            self.mat(p + "ffn_gate_exps.weight", up_shape, E ** -0.5, qtype=qtype)
+            self.mat(p + "ffn_up_exps.weight", up_shape, E ** -0.5, qtype=qtype)
+        self.mat(p + "ffn_down_exps.weight", (N, E, F), F ** -0.5, qtype=qtype)
+
+
+def _family_plan(spec: TinySpec, dims: _Dims) -> list[_Tensor]:
+    family = FAMILIES[spec.arch]
+    b = _Builder(spec, dims)
+    E, V = spec.n_embd, dims.n_vocab
+    b.mat("token_embd.weight", (V, E), 1.0)
+    b.ones(family.output_norm, E)
+    # Control tokens get all-zero logit rows so a random model does not stop at once.
+    b.mat("output.weight", (V, E), E ** -0.5, zero_rows=CONTROL_IDS)
+    for il in range(spec.n_block):
+        family.layer(b, il)
+    return b.out
+
+
 def _plan(spec: TinySpec, dims: _Dims) -> list[_Tensor]:
     """The exact tensor set llama.cpp's load_tensors creates for the arch (extras are an error)."""
+    if spec.arch in FAMILIES:
+        return _family_plan(spec, dims)
     wq = _WTYPES[spec.wtype][0]
     f32 = GGMLQuantizationType.F32
     E, F, V, hd = spec.n_embd, spec.n_ff, dims.n_vocab, dims.head_dim
@@ -258,8 +341,9 @@ def _plan(spec: TinySpec, dims: _Dims) -> list[_Tensor]:
 
 def write_moe_keys(
     w: GGUFWriter, arch: str, *, name: str, file_type: int, context_length: int, n_embd: int,
-    n_layer: int, n_head: int, n_head_kv: int, head_dim: int, rms_eps: float, rope_theta: float,
-    n_expert: int, n_expert_used: int, n_ff_exp: int,
+    n_layer: int, n_head: int, n_head_kv: int | list[int], head_dim: int, rms_eps: float,
+    rope_theta: float, n_expert: int, n_expert_used: int, n_ff_exp: int, key_length: int | None = None,
+    value_length: int | None = None, rope_dims: int | None = None, n_nextn: int = 0,
 ) -> None:
     """The keys every MoE file bmoe writes carries (tiny and synth alike). Literal key names (as
     in llama-arch.cpp) keep this independent of gguf-py's helper set, and the value types are the
@@ -271,11 +355,16 @@ def write_moe_keys(
     w.add_uint32(f"{arch}.embedding_length", n_embd)
     w.add_uint32(f"{arch}.block_count", n_layer)
     w.add_uint32(f"{arch}.attention.head_count", n_head)
-    w.add_uint32(f"{arch}.attention.head_count_kv", n_head_kv)
-    w.add_uint32(f"{arch}.attention.key_length", head_dim)
-    w.add_uint32(f"{arch}.attention.value_length", head_dim)
+    if isinstance(n_head_kv, list):
+        w.add_array(f"{arch}.attention.head_count_kv", n_head_kv)  # per block (0: not attention)
+    else:
+        w.add_uint32(f"{arch}.attention.head_count_kv", n_head_kv)
+    w.add_uint32(f"{arch}.attention.key_length", key_length or head_dim)
+    w.add_uint32(f"{arch}.attention.value_length", value_length or head_dim)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", rms_eps)
-    w.add_uint32(f"{arch}.rope.dimension_count", head_dim)
+    w.add_uint32(f"{arch}.rope.dimension_count", rope_dims or head_dim)
+    if n_nextn:
+        w.add_uint32(f"{arch}.nextn_predict_layers", n_nextn)
     w.add_float32(f"{arch}.rope.freq_base", rope_theta)
     w.add_uint32(f"{arch}.expert_count", n_expert)
     w.add_uint32(f"{arch}.expert_used_count", n_expert_used)
@@ -284,12 +373,19 @@ def write_moe_keys(
 
 def _write_metadata(w: GGUFWriter, spec: TinySpec, dims: _Dims, vocab: Vocab) -> None:
     a = spec.arch
-    write_moe_keys(
-        w, a, name=f"bmoe-tiny-{a}-{spec.wtype}", file_type=int(_WTYPES[spec.wtype][1]),
-        context_length=CONTEXT_LENGTH, n_embd=spec.n_embd, n_layer=spec.n_layer, n_head=dims.n_head,
+    family = FAMILIES.get(a)
+    builder = _Builder(spec, dims)
+    keys = dict(
+        name=f"bmoe-tiny-{a}-{spec.wtype}", file_type=int(_WTYPES[spec.wtype][1]),
+        context_length=CONTEXT_LENGTH, n_embd=spec.n_embd, n_layer=spec.n_block, n_head=dims.n_head,
         n_head_kv=dims.n_head_kv, head_dim=dims.head_dim, rms_eps=RMS_EPS, rope_theta=1_000_000.0,
-        n_expert=spec.n_expert, n_expert_used=spec.n_expert_used, n_ff_exp=spec.n_ff,
+        n_expert=spec.n_expert, n_expert_used=spec.n_expert_used, n_ff_exp=spec.n_ff, n_nextn=spec.n_nextn,
     )
+    if family is not None:
+        keys.update(family.overrides(builder))
+    write_moe_keys(w, a, **keys)  # type: ignore[arg-type]
+    if family is not None:
+        family.keys(w, builder)
     if a == "qwen2moe":
         w.add_uint32(f"{a}.expert_shared_feed_forward_length", dims.n_ff_dense)
     if a == "gemma4":
@@ -321,18 +417,24 @@ def _pad(f: BinaryIO, align: int = GGUF_ALIGNMENT) -> None:
 
 
 def write_tiny(path: str | os.PathLike, spec: TinySpec,
-               progress: Callable[[int, int], None] | None = None) -> list[Path]:
+               progress: Callable[[int, int], None] | None = None,
+               edit_metadata: Callable[[GGUFWriter], None] | None = None) -> list[Path]:
     """Write the model and return its files, the one to open first.
 
     With ``spec.shards > 1`` the files are ``<stem>-0000i-of-0000N.gguf`` beside ``path`` (the
     names llama.cpp derives the rest of a split set from) and ``path`` itself is not written.
     ``progress(bytes_done, bytes_total)`` is called after each tensor, over tensor data bytes.
+    ``edit_metadata(writer)`` may change shard 1's keys before they are written (``writer.kv_data[0]``
+    is the dict of them): how tests make the malformed files llama.cpp would abort on.
     """
     spec.validate()
     path = Path(path)
     vocab = byte_vocab()
     dims = _Dims.of(spec, vocab)
     tensors = _plan(spec, dims)
+    n_expert_tensors = sum(t.is_expert for t in tensors)
+    if spec.shards > n_expert_tensors:
+        raise ConfigError(f"shards must be in [1, {n_expert_tensors}] (each shard holds an expert tensor), got {spec.shards}")
     groups = _shard_groups(tensors, spec.shards)
     n = len(groups)
     files = [path] if n == 1 else [path.with_name(_SHARD_NAME.format(path.stem, i + 1, n)) for i in range(n)]
@@ -344,6 +446,8 @@ def write_tiny(path: str | os.PathLike, spec: TinySpec,
         w = GGUFWriter(file, spec.arch)
         if i == 0:
             _write_metadata(w, spec, dims, vocab)
+            if edit_metadata is not None:
+                edit_metadata(w)
         if n > 1:
             w.add_uint16("split.no", i)
             w.add_uint16("split.count", n)

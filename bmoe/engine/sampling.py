@@ -1,0 +1,222 @@
+"""Sampling: how the next token is chosen from the logits, as one validated value and the llama.cpp
+sampler chain that carries it out.
+
+``SamplingParams()`` is greedy, and greedy stays bmoe's own ``argmax`` over the logits: the path
+every byte-identity gate was written against. Anything else (temperature, top-k / top-p / min-p,
+penalties, a grammar) runs through llama.cpp's own samplers (the public ``llama_sampler_*`` API of
+the pin), so a seeded run draws exactly what llama.cpp would draw from the same logits; bmoe
+re-implements none of them. A grammar (GBNF text, or a JSON schema converted to GBNF by
+llama-cpp-python's converter) constrains every token, so the output parses whatever the weights.
+
+Log-probabilities, when asked, are the log-softmax of the raw logits (the model's distribution, as
+llama-cpp-python and OpenAI report them), not of the filtered distribution the draw came from.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json as _json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from bmoe.engine.seam import llama_lib
+from bmoe.errors import ConfigError
+
+# JSON mode: any JSON value whose top level is an object (llama.cpp's json.gbnf, object root).
+_JSON_OBJECT_ROOT = "root ::= object"
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are drawn. The default is greedy (``temperature=0``).
+
+    ``top_k=0``, ``top_p=1``, ``min_p=0``, ``repeat_penalty=1`` and zero presence / frequency
+    penalties are off. ``seed=None`` draws a fresh seed per generation; a fixed seed makes a run
+    reproducible (the same logits give the same draws). ``grammar`` (GBNF text), ``json_schema``
+    (a JSON schema, as a dict or JSON text) and ``json_object`` (any JSON object) constrain the
+    output; at most one of them. ``logprobs``: report the top-n alternatives of each token (0: the
+    chosen token's own log-probability only; None: nothing).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_last_n: int = 64
+    seed: int | None = None
+    grammar: str | None = None
+    json_schema: dict[str, Any] | str | None = None
+    json_object: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        def finite(name: str, lo: float, hi: float) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
+                raise ConfigError(f"{name} must be a number in [{lo}, {hi}], got {v!r}")
+
+        finite("temperature", 0.0, 100.0)
+        finite("top_p", 0.0, 1.0)
+        finite("min_p", 0.0, 1.0)
+        finite("repeat_penalty", 0.01, 100.0)
+        finite("presence_penalty", -2.0, 2.0)
+        finite("frequency_penalty", -2.0, 2.0)
+        for name, hi in (("top_k", 1 << 31), ("penalty_last_n", 1 << 20)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= hi:
+                raise ConfigError(f"{name} must be an integer in [0, {hi}], got {v!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 0xFFFFFFFF):
+            raise ConfigError(f"seed must be an integer in [0, 2**32 - 2], got {self.seed!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ConfigError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if sum(x is not None and x is not False for x in (self.grammar, self.json_schema, self.json_object)) > 1:
+            raise ConfigError("give at most one of grammar, json_schema and json_object")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise ConfigError("grammar must be non-empty GBNF text")
+        if self.json_schema is not None:
+            self.gbnf()  # a schema the converter refuses fails here, where it was written
+
+    @property
+    def greedy(self) -> bool:
+        """Plain argmax: no temperature, no penalty, no constraint (bmoe's own path)."""
+        return (self.temperature == 0 and self.repeat_penalty == 1 and not self.presence_penalty
+                and not self.frequency_penalty and self.gbnf() is None)
+
+    def gbnf(self) -> str | None:
+        """The grammar that constrains the output, in GBNF, or None."""
+        if self.grammar is not None:
+            return self.grammar
+        if self.json_object:
+            from llama_cpp.llama_grammar import JSON_GBNF
+
+            return _JSON_OBJECT_ROOT + "\n" + "\n".join(
+                line for line in JSON_GBNF.strip().splitlines() if not line.startswith("root ")
+            )
+        if self.json_schema is not None:
+            from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+            schema = self.json_schema
+            try:
+                text = schema if isinstance(schema, str) else _json.dumps(schema)
+                _json.loads(text)
+                return json_schema_to_gbnf(text)
+            except Exception as exc:  # noqa: BLE001 - the converter raises bare exceptions of many kinds
+                raise ConfigError(f"json_schema cannot be turned into a grammar: {exc}") from None
+        return None
+
+
+GREEDY = SamplingParams()
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A chosen token's log-probability and the top alternatives (token id, log-probability)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def logprobs_of(logits: np.ndarray, token: int, n: int) -> TokenLogprob:
+    """Log-softmax of the raw logits: the chosen token's value and the ``n`` highest."""
+    x = logits.astype(np.float64)
+    lse = float(np.log(np.exp(x - x.max()).sum()) + x.max())
+    top: tuple[tuple[int, float], ...] = ()
+    if n:
+        idx = np.argpartition(-x, n - 1)[:n] if n < len(x) else np.arange(len(x))
+        idx = idx[np.argsort(-x[idx], kind="stable")]
+        top = tuple((int(i), float(x[i] - lse)) for i in idx)
+    return TokenLogprob(token, float(x[token] - lse), top)
+
+
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+
+
+class Sampler:
+    """One generation's draw: argmax when greedy, else a llama.cpp sampler chain.
+
+    The grammar sampler is kept outside the chain: the prompt is fed to the penalties (as llama.cpp's
+    server does) but never to the grammar, which only ever sees generated tokens. Call ``sample``
+    with the logits of the last decode, then ``accept`` the token that was kept; ``close`` frees the
+    native samplers (and is safe to call twice).
+    """
+
+    def __init__(self, vocab: Any, n_vocab: int, params: SamplingParams, prompt: list[int]) -> None:
+        self.params = params
+        self._chain = self._grammar = None
+        if params.greedy:
+            return
+        lib = self._lib = llama_lib()
+        gbnf = params.gbnf()
+        try:
+            if gbnf is not None:
+                self._grammar = lib.llama_sampler_init_grammar(vocab, gbnf.encode(), b"root")
+                if not self._grammar:
+                    raise ConfigError("llama.cpp could not parse the grammar (GBNF)")
+            self._chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+            add = lambda s: lib.llama_sampler_chain_add(self._chain, s)  # noqa: E731
+            if params.repeat_penalty != 1 or params.presence_penalty or params.frequency_penalty:
+                add(lib.llama_sampler_init_penalties(
+                    n_vocab, params.penalty_last_n, params.repeat_penalty, params.frequency_penalty,
+                    params.presence_penalty,
+                ))
+            if params.temperature == 0:
+                add(lib.llama_sampler_init_greedy())
+            else:
+                if params.top_k:
+                    add(lib.llama_sampler_init_top_k(params.top_k))
+                if params.top_p < 1:
+                    add(lib.llama_sampler_init_top_p(params.top_p, 1))
+                if params.min_p > 0:
+                    add(lib.llama_sampler_init_min_p(params.min_p, 1))
+                add(lib.llama_sampler_init_temp(params.temperature))
+                seed = lib.LLAMA_DEFAULT_SEED if params.seed is None else params.seed
+                add(lib.llama_sampler_init_dist(seed))
+        except BaseException:
+            self.close()
+            raise
+        for token in prompt[-params.penalty_last_n:] if params.penalty_last_n else ():
+            lib.llama_sampler_accept(self._chain, token)
+        self._data = np.zeros(n_vocab, _TOKEN_DATA)
+        self._data["id"] = np.arange(n_vocab, dtype=np.int32)
+        self._ptr = self._data.ctypes.data_as(lib.llama_token_data_p)
+        self._array = lib.llama_token_data_array(self._ptr, n_vocab, -1, False)
+        self._array_p = ctypes.pointer(self._array)
+
+    def sample(self, logits: np.ndarray) -> int:
+        if self._chain is None:
+            return int(np.argmax(logits))
+        lib, arr = self._lib, self._array
+        self._data["logit"] = logits
+        self._data["p"] = 0.0
+        arr.data, arr.size, arr.selected, arr.sorted = self._ptr, len(self._data), -1, False
+        if self._grammar is not None:
+            lib.llama_sampler_apply(self._grammar, self._array_p)
+        lib.llama_sampler_apply(self._chain, self._array_p)
+        if not 0 <= arr.selected < arr.size:
+            raise ConfigError("the sampler chain selected no token (a grammar that allows none?)")
+        return int(arr.data[arr.selected].id)
+
+    def accept(self, token: int) -> None:
+        if self._chain is None:
+            return
+        if self._grammar is not None:
+            self._lib.llama_sampler_accept(self._grammar, token)
+        self._lib.llama_sampler_accept(self._chain, token)
+
+    def close(self) -> None:
+        if self._grammar is not None:
+            self._lib.llama_sampler_free(self._grammar)
+            self._grammar = None
+        if self._chain is not None:
+            self._lib.llama_sampler_free(self._chain)
+            self._chain = None

@@ -1,0 +1,295 @@
+"""``bmoe inspect MODEL``: what a model file is, and whether and how it runs here, from its index.
+
+Reads only the GGUF index (the same validation every run makes first; milliseconds, llama.cpp is
+never loaded): architecture and support, blocks by kind, experts, quant types, the byte budget of
+the experts and the dense part, and for a RAM size (default: what this machine has available now)
+whether the model runs resident, streamed, or not at all, the cache budget ``auto`` would choose,
+and a decode speed forecast for a few budgets with every input shown and labelled by where it
+came from:
+
+- read rate: the device probe cached by ``bmoe replay`` / ``--probe`` for this device, slice size
+  and lane count (unmeasured, and then no forecast, until a probe has run);
+- hit rate: a prior, the decode hit rate of an LRU cache replayed over the shared Qwen3-30B-A3B
+  trace, as a function of budget / expert bank (``HIT_PRIOR``); real models route differently;
+- compute: the bytes a token touches (dense part + the routed experts) over a memory throughput,
+  a prior unless ``--compute-gbs`` gives a measured one.
+
+forecast tok/s = 1 / (read bytes per token / read rate + active bytes per token / compute rate),
+reads and compute in series (no overlap, no read-ahead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from gguf import GGMLQuantizationType
+
+from bmoe.io.layout import ModelLayout, block_of
+from bmoe.io.probe import ProbeResult, cache_dir, cached_probe
+from bmoe.io.recipes import RECIPES, recipe_for
+from bmoe.io.validate import open_layout
+from bmoe.pipeline.budget import (
+    INTERPRETER_GROWTH,
+    Needs,
+    margin_bytes,
+    read_meminfo,
+    resolve_budget,
+    transient_bytes,
+)
+
+MiB, GiB = 1 << 20, 1 << 30
+DEFAULT_LANES = 2  # RunConfig's io_threads default
+# Prior compute rate: bytes of weights a 2-core CPU decode streams through per second. Not
+# measured per machine; --compute-gbs replaces it with a figure from a resident run.
+COMPUTE_PRIOR_GBS = 5.0
+# Decode hit % of a byte-budgeted global LRU, replayed (``bmoe replay --policy lru``) over
+# shared/traces/qwen3-30b-a3b.route.csv: 128 decode tokens, 48 layers, top-6 of 128, 17 928 MiB
+# bank, 840 MiB working set (0.047 of the bank; below it LRU hits nothing). By budget / bank.
+HIT_PRIOR: tuple[tuple[float, float], ...] = (
+    (0.047, 0.0), (0.1, 53.2), (0.2, 76.7), (0.3, 89.4), (0.4, 94.7), (0.5, 96.7), (0.6, 97.1), (1.0, 97.1),
+)
+HIT_PRIOR_SOURCE = "prior: LRU decode hit % replayed over shared/traces/qwen3-30b-a3b.route.csv, by budget / bank"
+
+
+def hit_prior(budget: int, bank: int, working_set: int) -> float:
+    """Prior decode hit % at ``budget``: 0 below one token's working set, else the trace's curve."""
+    if budget <= 0 or budget < working_set or bank <= 0:
+        return 0.0
+    f = min(1.0, budget / bank)
+    points = HIT_PRIOR
+    if f <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if f <= x1:
+            return y0 + (y1 - y0) * (f - x0) / (x1 - x0)
+    return points[-1][1]
+
+
+@dataclass
+class Forecast:
+    budget_bytes: int
+    label: str
+    hit_pct_prior: float
+    read_bytes_per_token: int
+    read_s: float | None  # None: read rate unmeasured
+    compute_s: float
+    tok_s: float | None
+
+
+@dataclass
+class Report:
+    path: str
+    arch: str
+    supported: bool
+    blocks: int
+    moe_layers: list[int]
+    layers: dict[str, int]  # moe / dense / recurrent / mtp
+    experts: int
+    experts_used: int
+    shared_experts: int
+    expert_types: dict[str, int]  # ggml type -> bytes
+    dense_types: dict[str, int]
+    expert_bytes_per_layer: dict[int, int]  # one expert, all its projections
+    expert_bank_bytes: int
+    dense_bytes: int
+    mtp_bytes: int
+    bytes_per_token_cache_off: int
+    ram_bytes: int
+    ram_how: str
+    verdict: str
+    verdict_why: str
+    floor_bytes: int  # what the process needs beside dense + experts (the budget model's needs)
+    auto_budget_bytes: int
+    auto_budget_how: str
+    read_mib_s: float | None
+    read_how: str
+    compute_gbs: float
+    compute_how: str
+    hit_how: str = HIT_PRIOR_SOURCE
+    forecasts: list[Forecast] = field(default_factory=list)
+
+
+def _type_bytes(spans) -> dict[str, int]:  # noqa: ANN001
+    out: Counter[str] = Counter()
+    for s in spans:
+        out[GGMLQuantizationType(s.ggml_type).name] += s.nbytes
+    return dict(out.most_common())
+
+
+def recurrent_blocks(layout: ModelLayout) -> list[int]:
+    """Main blocks whose attention is a recurrent state (gated delta net, short conv)."""
+    recipe = recipe_for(layout.arch)
+    n_main, key = layout.main_layers, recipe.key
+    if recipe.recurrent_marker == "interval":
+        marks = layout.arrays.get(key("attention.recurrent_layers"))
+        if marks is not None:
+            return [il for il in range(n_main) if marks[il]]
+        interval = int(layout.metadata.get(key("full_attention_interval"), 4))
+        return [il for il in range(n_main) if (il + 1) % interval != 0]
+    if recipe.recurrent_marker == "kv_heads":
+        heads = layout.arrays.get(key("attention.head_count_kv"))
+        return [il for il in range(n_main) if heads is not None and heads[il] == 0]
+    return []
+
+
+def cached_read_rate(directory: Path, slice_bytes: int, lanes: int) -> ProbeResult | None:
+    """The probe ``bmoe replay`` / ``inspect --probe`` stored for this device, if any (no I/O)."""
+    store = cache_dir() / "probe.json"
+    try:
+        known = json.loads(store.read_text())
+        return ProbeResult(**known[f"{os.stat(directory).st_dev}:{slice_bytes}:{lanes}"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def inspect_model(path: str | os.PathLike[str], *, ram_bytes: int | None = None, probe: bool = False,
+                  lanes: int = DEFAULT_LANES, compute_gbs: float | None = None) -> Report:
+    layout = open_layout(path)
+    recipe = recipe_for(layout.arch)
+    info = read_meminfo()
+    if ram_bytes is None:
+        ram_bytes, ram_how = info.get("MemAvailable", 0), "MemAvailable of this machine now"
+        mem_total = info.get("MemTotal", ram_bytes)
+    else:
+        ram_how, mem_total = "given (--ram)", ram_bytes
+    expert_names = {et.span.name for et in layout.experts.values()}
+    mtp_names = {n for n in layout.tensors if block_of(n) >= layout.main_layers}
+    kinds = layout.layer_kinds()
+    recurrent = recurrent_blocks(layout)
+    shared = int(layout.metadata.get(recipe.key("expert_shared_count"), 0) or 0)
+    if not shared and any(n.endswith("_shexp.weight") for n in layout.tensors):
+        shared = 1
+    entry = layout.entry_bytes()
+    bank, dense, ws = layout.expert_bytes, layout.dense_bytes, layout.expert_bytes_per_token()
+    # The engine's memory model (bmoe.pipeline.budget) from the index alone: llama.cpp's KV and
+    # compute buffers and the code's page cache are only known once a context exists, so they
+    # count as 0 here and the margin stands for them.
+    needs = Needs(dense=dense, buffers=0, code=0,
+                  transient=transient_bytes(layout.n_expert, layout.n_expert_used, 512, max(entry.values())),
+                  interpreter=INTERPRETER_GROWTH, margin=margin_bytes(mem_total))
+    floor = needs.total - dense
+    if dense + bank + layout.skipped_bytes + floor <= ram_bytes:
+        verdict, why = "resident", "dense + every expert fit beside what else the process needs: no streaming needed"
+    elif dense + ws + floor <= ram_bytes:
+        verdict, why = "streamed", "the dense part and one token's experts fit, the expert bank does not"
+    else:
+        verdict, why = "cannot run", "the dense part + one token's working set exceed the RAM"
+    budget = resolve_budget(None, ceiling=None, mem_available=ram_bytes, needs=needs,
+                            expert_bank_bytes=bank, working_set_bytes=ws)
+    first = layout.layer_experts(layout.moe_layers[0])[0]
+    directory = Path(layout.shards[0]).resolve().parent
+    rate = cached_probe(directory, first.stride, lanes) if probe else cached_read_rate(directory, first.stride, lanes)
+    read_how = rate.how + (" (cached)" if not probe else "") if rate else (
+        f"no cached probe for this device at {first.stride}-byte slices, {lanes} lanes: run with --probe")
+    gbs = compute_gbs if compute_gbs is not None else COMPUTE_PRIOR_GBS
+    compute_how = (f"given (--compute-gbs {gbs:g})" if compute_gbs is not None
+                   else f"prior: {gbs:g} GB/s of weights per second, not measured here")
+    report = Report(
+        path=str(layout.shards[0]), arch=layout.arch, supported=layout.arch in RECIPES,
+        blocks=layout.n_layer, moe_layers=list(layout.moe_layers),
+        layers={"moe": sum(k == "moe" for k in kinds.values()), "dense": sum(k == "dense" for k in kinds.values()),
+                "recurrent": len(recurrent), "mtp": layout.n_nextn},
+        experts=layout.n_expert, experts_used=layout.n_expert_used, shared_experts=shared,
+        expert_types=_type_bytes(et.span for et in layout.experts.values()),
+        dense_types=_type_bytes(s for n, s in layout.tensors.items() if n not in expert_names | mtp_names),
+        expert_bytes_per_layer=entry, expert_bank_bytes=bank, dense_bytes=dense,
+        mtp_bytes=layout.skipped_bytes, bytes_per_token_cache_off=ws, ram_bytes=ram_bytes, ram_how=ram_how,
+        verdict=verdict, verdict_why=why, floor_bytes=floor, auto_budget_bytes=budget.bytes, auto_budget_how=budget.how,
+        read_mib_s=rate.mib_s if rate else None, read_how=read_how, compute_gbs=gbs, compute_how=compute_how,
+    )
+    # A token touches the dense part (of the embeddings only its own row) and its routed experts.
+    embd = layout.tensors.get("token_embd.weight")
+    active = dense - (embd.nbytes if embd is not None and "output.weight" in layout.tensors else 0) + ws
+    budgets = [(0, "cache off"), (budget.bytes, "auto"), (bank // 4, "quarter bank"), (bank // 2, "half bank"),
+               (bank, "whole bank")]
+    for b, label in budgets:
+        hit = hit_prior(b, bank, ws)
+        read_bytes = round(ws * (1 - hit / 100))
+        read_s = read_bytes / (rate.mib_s * MiB) if rate else None
+        compute_s = active / (gbs * 1e9)
+        tok_s = 1 / (read_s + compute_s) if read_s is not None else None
+        report.forecasts.append(Forecast(b, label, round(hit, 1), read_bytes, read_s, compute_s, tok_s))
+    return report
+
+
+def _mib(n: int) -> str:
+    return f"{n / MiB:,.1f} MiB"
+
+
+def render(r: Report) -> str:
+    per = sorted(set(r.expert_bytes_per_layer.values()))
+    lines = [
+        f"{r.path}",
+        f"  architecture   {r.arch} ({'supported' if r.supported else 'not supported'})",
+        f"  blocks         {r.blocks}: {r.layers['moe']} MoE, {r.layers['dense']} without experts, "
+        f"{r.layers['recurrent']} recurrent, {r.layers['mtp']} MTP (skipped by llama.cpp)",
+        f"  experts        {r.experts}, {r.experts_used} used per token, {r.shared_experts} shared (resident)",
+        "  expert types   " + ", ".join(f"{t} {_mib(b)}" for t, b in r.expert_types.items()),
+        "  dense types    " + ", ".join(f"{t} {_mib(b)}" for t, b in r.dense_types.items()),
+        f"  one expert     {' / '.join(_mib(b) for b in per)} per MoE layer (all projections)",
+        f"  expert bank    {_mib(r.expert_bank_bytes)}; dense {_mib(r.dense_bytes)}; MTP {_mib(r.mtp_bytes)} (never read)",
+        f"  per token      {_mib(r.bytes_per_token_cache_off)} read with the cache off",
+        f"  RAM            {_mib(r.ram_bytes)} ({r.ram_how}): {r.verdict.upper()} - {r.verdict_why}",
+        f"  auto budget    {_mib(r.auto_budget_bytes)} ({r.auto_budget_how})",
+        f"  read rate      {f'{r.read_mib_s:,.0f} MiB/s' if r.read_mib_s else 'unmeasured'} ({r.read_how})",
+        f"  compute        {r.compute_gbs:g} GB/s ({r.compute_how})",
+        f"  hit rate       {r.hit_how}",
+        "  forecast       budget            hit%  read/token    read ms  compute ms  tok/s",
+    ]
+    for f in r.forecasts:
+        read_ms = f"{f.read_s * 1e3:8.1f}" if f.read_s is not None else "       -"
+        tok = f"{f.tok_s:6.2f}" if f.tok_s is not None else "     -"
+        lines.append(f"                 {f.label:<12} {f.budget_bytes / MiB:>9,.0f} MiB {f.hit_pct_prior:5.1f} "
+                     f"{f.read_bytes_per_token / MiB:9,.1f} MiB {read_ms} {f.compute_s * 1e3:10.1f}  {tok}")
+    return "\n".join(lines)
+
+
+def add_inspect_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("inspect", help="what a model is and how it would run here (index only)")
+    p.add_argument("model", type=Path)
+    p.add_argument("--ram", type=float, default=None, metavar="GB", help="RAM to plan for (default: MemAvailable)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--probe", action="store_true", help="measure the device's read rate (cached) if unknown")
+    p.add_argument("--io-threads", type=int, default=DEFAULT_LANES, help="read lanes the forecast assumes")
+    p.add_argument("--compute-gbs", type=float, default=None, help="measured compute rate (GB/s of weights)")
+    p.set_defaults(func=_cmd_inspect)
+    return p
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from bmoe.errors import ConfigError
+
+    if args.ram is not None and not args.ram > 0:
+        raise ConfigError(f"--ram must be positive, got {args.ram}")
+    if args.compute_gbs is not None and not args.compute_gbs > 0:
+        raise ConfigError(f"--compute-gbs must be positive, got {args.compute_gbs}")
+    ram = None if args.ram is None else int(args.ram * GiB)
+    report = inspect_model(args.model, ram_bytes=ram, probe=args.probe, lanes=args.io_threads,
+                           compute_gbs=args.compute_gbs)
+    if args.json:
+        print(json.dumps(asdict(report)))
+    else:
+        print(render(report))
+    return 0
+
+
+def list_archs() -> str:
+    """One line per supported architecture: what the recipe knows about it."""
+    lines = []
+    for arch in sorted(RECIPES):
+        r = RECIPES[arch]
+        notes = ["fused or split gate/up" if len(r.layouts) > 1 else "split gate/up" if r.layouts[0][0] != "ffn_gate_up_exps" else "fused gate/up"]
+        if r.recurrent:
+            notes.append("hybrid recurrent")
+        if r.width_key != "expert_feed_forward_length":
+            notes.append(f"experts sized by {r.width_key}")
+        lines.append(f"{arch:<12} " + ", ".join(notes))
+    return "\n".join(lines)
+
+
+__all__ = ["Report", "add_inspect_command", "hit_prior", "inspect_model", "list_archs", "render"]

@@ -1,0 +1,315 @@
+"""The architecture-independent hyperparameters, checked against llama.cpp's assertions.
+
+llama.cpp reads the counts and sizes of a model from its metadata and trusts them: a head count of
+0, a NaN norm epsilon, a rope dimension that is not the head size or a vocabulary with one string
+twice each end in a ``GGML_ASSERT`` that kills the process (or, for gemma4 with no rope dimension,
+in a decode that never returns). Every such value is checked here first and refused as one line.
+The sites guarded, in the pinned sources (llama-cpp-python 0.3.36, ``vendor/llama.cpp``):
+
+- ``src/llama-model.cpp`` ``load_hparams``: ``n_layer_all > 0 && <= LLAMA_MAX_LAYERS`` (512),
+  ``n_expert <= LLAMA_MAX_EXPERTS`` (1024), ``n_expert_used <= n_expert``, ``n_embd / n_head``;
+- ``src/models/{qwen3moe,qwen2moe,olmoe,llama}.cpp`` graph: ``n_embd_head_v == n_embd_head_k``
+  and ``n_embd_head == n_rot``; ``gemma4.cpp``: ``n_embd_head_k(il) == n_embd_head_v(il)``, and a
+  rope over 0 dimensions spins forever;
+- ``src/llama-model-loader.cpp:1316`` ``t_meta.ne[dim] >= 1`` (a size key of 0 makes a tensor
+  dimension 0);
+- ``ggml/src/ggml-cpu/ops.cpp`` ``rms_norm``: ``eps >= 0.0f`` (NaN fails it);
+- ``src/llama-vocab.cpp:2544`` ``id_to_token.size() == token_to_id.size()`` (a duplicate token).
+
+Beyond the asserts, the tensor shapes the keys imply are compared with the shapes in the file: a
+file relabelled to another architecture, or with a size key edited, disagrees there, and is named
+here instead of after seconds of loading. Architecture-specific keys are ``validate``'s business.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import re
+import struct
+from collections.abc import Sequence
+
+from gguf import GGUFValueType
+
+from bmoe.errors import ExpertLayoutError, ModelFileError
+from bmoe.io.layout import ModelLayout, ShardIndex
+from bmoe.io.recipes import RECIPES
+
+MAX_LAYERS = 512  # LLAMA_MAX_LAYERS, src/llama-hparams.h
+MAX_EXPERTS = 1024  # LLAMA_MAX_EXPERTS
+# Architectures whose graph asserts n_rot == head size (the rest rope a part of the head).
+_FULL_ROPE = frozenset({"qwen3moe", "qwen2moe", "olmoe", "llama"})
+_VOCAB_KEY = "tokenizer.ggml.tokens"
+# Per-layer tensors each architecture's load_arch_tensors creates as required (flags 0) besides the
+# experts: a file relabelled from another architecture lacks some, and llama.cpp sizes the missing
+# ones from keys the file does not have (0: the loader's ``ne[dim] >= 1`` assert).
+_ATTN = ("attn_norm", "attn_output", "ffn_norm")
+_LAYER_TENSORS = {
+    "qwen3moe": _ATTN + ("attn_q_norm", "attn_k_norm", "ffn_gate_inp"),
+    "olmoe": _ATTN + ("attn_q_norm", "attn_k_norm", "ffn_gate_inp"),
+    "qwen2moe": _ATTN + ("ffn_gate_inp", "ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"),
+    "llama": _ATTN + ("ffn_gate_inp",),
+    "gemma4": _ATTN + ("attn_q_norm", "post_attention_norm", "post_ffw_norm"),
+}
+_LAYER = re.compile(r"^blk\.(\d+)\.")
+_INTS = {
+    GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H",
+    GGUFValueType.INT16: "h", GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i",
+    GGUFValueType.UINT64: "Q", GGUFValueType.INT64: "q",
+}
+
+
+class _Keys:
+    """Typed access to ``<arch>.*`` keys of shard 1, each fault one line naming the key."""
+
+    def __init__(self, index: ShardIndex, arch: str) -> None:
+        self.index, self.arch = index, arch
+        self.path = index.path
+
+    def name(self, key: str) -> str:
+        return f"{self.arch}.{key}"
+
+    def has(self, key: str) -> bool:
+        return self.name(key) in self.index.keys
+
+    def int(self, key: str, lo: int, hi: int | None = None, default: int | None = None) -> int | None:
+        """The key as an integer in [lo, hi]; ``default`` when absent; an array is left to ``per_layer``."""
+        full = self.name(key)
+        if full not in self.index.keys:
+            return default
+        if full in self.index.array_spans:
+            return None
+        value = self.index.metadata[full]
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ModelFileError(f"{self.path}: metadata key {full!r} is {value!r}, not an integer")
+        _bounded(self.path, full, value, lo, hi)
+        return value
+
+    def per_layer(self, key: str, n_layer: int, lo: int, default: int | None) -> list[int | None]:
+        """One value per layer, whether the key is a scalar or an array (llama.cpp's get_key_or_arr)."""
+        full = self.name(key)
+        if full in self.index.array_spans:
+            values = _read_int_array(self.index, full)
+            if len(values) != n_layer:
+                raise ModelFileError(f"{self.path}: {full!r} has {len(values)} values for {n_layer} layers")
+            for v in values:
+                _bounded(self.path, full, v, lo, None)
+            return list(values)
+        return [self.int(key, lo, default=default)] * n_layer
+
+    def float(self, key: str) -> float | None:
+        full = self.name(key)
+        value = self.index.metadata.get(full)
+        if value is None or isinstance(value, bool) or not isinstance(value, int | float):
+            return None
+        return float(value)
+
+
+def _bounded(path: object, key: str, value: int, lo: int, hi: int | None) -> None:
+    if value < lo or (hi is not None and value > hi):
+        span = f"at least {lo}" if hi is None else f"{lo} to {hi}"
+        raise ModelFileError(f"{path}: metadata key {key!r} is {value}, llama.cpp needs {span}")
+
+
+def check_hparams(first: ShardIndex, layout: ModelLayout) -> None:
+    """Refuse, as one line, every generic hyperparameter llama.cpp would assert on or spin with."""
+    keys = _Keys(first, layout.arch)
+    n_layer = keys.int("block_count", 1, MAX_LAYERS)
+    assert n_layer is not None  # build_layout required it as a scalar
+    n_embd = keys.int("embedding_length", 1)
+    keys.int("context_length", 1)
+    keys.int("expert_count", 1, MAX_EXPERTS)
+    _check_eps(keys)
+    n_head = keys.per_layer("attention.head_count", n_layer, 1, None)
+    # A hybrid that marks its recurrent blocks by 0 KV heads (lfm2moe) has zeros there by design.
+    kv_lo = 0 if RECIPES.get(layout.arch) is not None and RECIPES[layout.arch].recurrent_marker == "kv_heads" else 1
+    n_head_kv = keys.per_layer("attention.head_count_kv", n_layer, kv_lo, None)
+    n_head_kv = [kv if kv is not None else h for kv, h in zip(n_head_kv, n_head)]
+    heads = _HeadSizes.of(keys, n_embd, n_head)
+    keys.per_layer("feed_forward_length", n_layer, 1, None)
+    n_ff_exp = keys.per_layer("expert_feed_forward_length", n_layer, 1, None)
+    _check_layers(first, layout, n_layer)
+    n_vocab = _check_vocab(first)
+    _check_shapes(layout, n_embd, n_vocab, n_head, n_head_kv, heads, n_ff_exp)
+
+
+def _check_eps(keys: _Keys) -> None:
+    for key in ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon"):
+        eps = keys.float(key)
+        if eps is not None and not (math.isfinite(eps) and eps > 0):
+            raise ModelFileError(f"{keys.path}: metadata key {keys.name(key)!r} is {eps}, not a positive number")
+
+
+class _HeadSizes:
+    """Head sizes (key, value) and rope dimensions, full and sliding-window, as llama.cpp derives them."""
+
+    def __init__(self, k: int, v: int, rot: int, k_swa: int, v_swa: int, rot_swa: int) -> None:
+        self.k, self.v, self.rot, self.k_swa, self.v_swa, self.rot_swa = k, v, rot, k_swa, v_swa, rot_swa
+
+    @classmethod
+    def of(cls, keys: _Keys, n_embd: int | None, n_head: Sequence[int | None]) -> _HeadSizes | None:
+        head = n_head[0]
+        if n_embd is None or head is None:
+            return None
+        if "attention.key_length" not in _present(keys) and n_embd % head:
+            raise ModelFileError(
+                f"{keys.path}: {keys.name('embedding_length')} {n_embd} is not a multiple of "
+                f"{keys.name('attention.head_count')} {head}, and no key_length says the head size"
+            )
+        k = keys.int("attention.key_length", 1, default=n_embd // head)
+        v = keys.int("attention.value_length", 1, default=n_embd // head)
+        rot = keys.int("rope.dimension_count", 1, default=k)
+        k_swa = keys.int("attention.key_length_swa", 1, default=k)
+        v_swa = keys.int("attention.value_length_swa", 1, default=v)
+        rot_swa = keys.int("rope.dimension_count_swa", 1, default=rot)
+        if None in (k, v, rot, k_swa, v_swa, rot_swa):
+            raise ModelFileError(f"{keys.path}: a head size or rope dimension key is an array")
+        sizes = cls(k, v, rot, k_swa, v_swa, rot_swa)  # type: ignore[arg-type]
+        if keys.arch in _PLAIN_ATTENTION:  # MLA, gated or recurrent attention: their recipes check
+            sizes.check(keys)
+        return sizes
+
+    def check(self, keys: _Keys) -> None:
+        path, n = keys.path, keys.name
+        if self.k != self.v:
+            raise ModelFileError(
+                f"{path}: {n('attention.key_length')} {self.k} and {n('attention.value_length')} {self.v} "
+                "differ; llama.cpp asserts equal head sizes"
+            )
+        if self.k_swa != self.v_swa:
+            raise ModelFileError(f"{path}: sliding-window key and value head sizes differ ({self.k_swa}, {self.v_swa})")
+        if keys.arch in _FULL_ROPE and self.rot != self.k:
+            raise ModelFileError(
+                f"{path}: {n('rope.dimension_count')} is {self.rot}, the head size is {self.k}; "
+                f"{keys.arch} ropes the whole head (llama.cpp asserts n_rot == head size)"
+            )
+        for rot, head, key in ((self.rot, self.k, "rope.dimension_count"), (self.rot_swa, self.k_swa, "rope.dimension_count_swa")):
+            if rot > head or rot % 2:
+                raise ModelFileError(f"{path}: {n(key)} is {rot}; it must be even and at most the head size {head}")
+
+
+def _present(keys: _Keys) -> set[str]:
+    prefix = keys.arch + "."
+    return {k[len(prefix):] for k in keys.index.keys if k.startswith(prefix)}
+
+
+def _check_layers(first: ShardIndex, layout: ModelLayout, n_layer: int) -> None:
+    """Every tensor's layer below block_count, and every layer present (its attention norm)."""
+    seen: set[int] = set()
+    for name in layout.tensors:
+        m = _LAYER.match(name)
+        if m is None:
+            continue
+        layer = int(m[1])
+        if layer >= n_layer:
+            raise ModelFileError(f"{first.path}: tensor {name!r} is in layer {layer}, but block_count is {n_layer}")
+        seen.add(layer)
+    missing = sorted(set(range(n_layer)) - seen)
+    if missing:
+        raise ModelFileError(
+            f"{first.path}: block_count is {n_layer}, but layer(s) {_ranges(missing)} have no tensors"
+        )
+    for il in range(n_layer):
+        if f"blk.{il}.attn_q.weight" not in layout.tensors:
+            continue  # an index-only file (no attention at all) is the layout checks' business
+        lacks = [s for s in _LAYER_TENSORS.get(layout.arch, ()) if f"blk.{il}.{s}.weight" not in layout.tensors]
+        if lacks:
+            raise ModelFileError(
+                f"{first.path}: {layout.arch} needs blk.{il}.{{{','.join(lacks)}}}.weight, the file lacks "
+                "them (relabelled from another architecture?)"
+            )
+
+
+def _ranges(layers: list[int]) -> str:
+    return f"{layers[0]}..{layers[-1]}" if len(layers) > 3 else ", ".join(map(str, layers))
+
+
+def _check_vocab(first: ShardIndex) -> int | None:
+    """The vocabulary's size, after refusing a token string that appears twice."""
+    if _VOCAB_KEY not in first.array_spans:
+        return None
+    etype, count, offset = first.array_spans[_VOCAB_KEY]
+    if etype != GGUFValueType.STRING:
+        raise ModelFileError(f"{first.path}: {_VOCAB_KEY} is not an array of strings")
+    seen: dict[bytes, int] = {}
+    with first.path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        # Only the header's pages: without this, a fault's readahead pulls in megabytes of the
+        # tensor data behind the vocabulary, and the cheap open is no longer cheap.
+        buf.madvise(mmap.MADV_RANDOM)
+        pos = offset
+        for i in range(count):  # bounds were checked by the index walk
+            (n,) = struct.unpack_from("<Q", buf, pos)
+            token = buf[pos + 8 : pos + 8 + n]
+            pos += 8 + n
+            j = seen.setdefault(token, i)
+            if j != i:
+                raise ModelFileError(
+                    f"{first.path}: tokens {j} and {i} of the vocabulary are the same string "
+                    f"{token.decode(errors='replace')!r} (llama.cpp asserts every token is unique)"
+                )
+    return count
+
+
+def _read_int_array(index: ShardIndex, key: str) -> tuple[int, ...]:
+    etype, count, offset = index.array_spans[key]
+    code = _INTS.get(GGUFValueType(etype))
+    if code is None:
+        raise ModelFileError(f"{index.path}: metadata key {key!r} is an array of {GGUFValueType(etype).name}, not integers")
+    if count > MAX_LAYERS:
+        raise ModelFileError(f"{index.path}: metadata key {key!r} has {count} values (at most {MAX_LAYERS} layers)")
+    with index.path.open("rb") as f:
+        f.seek(offset)
+        fmt = f"<{count}{code}"
+        return struct.unpack(fmt, f.read(struct.calcsize(fmt)))
+
+
+# Architectures whose attention projections are plain q/k/v/o of head_count x key_length: the
+# others (gated queries, MLA, sinks, recurrent blocks) have shapes their own recipes check.
+_PLAIN_ATTENTION = frozenset({"qwen3moe", "qwen2moe", "olmoe", "llama", "gemma4"})
+
+
+def _check_shapes(
+    layout: ModelLayout, n_embd: int | None, n_vocab: int | None, n_head: Sequence[int | None],
+    n_head_kv: Sequence[int | None], heads: _HeadSizes | None, n_ff_exp: Sequence[int | None],
+) -> None:
+    """The shapes the keys imply against the file's: a relabelled or edited file disagrees here."""
+    path = layout.shards[0]
+    expected: dict[str, list[tuple[int, ...]]] = {}
+
+    def want(name: str, *shapes: tuple[int | None, ...]) -> None:
+        full = [s for s in shapes if None not in s]
+        if full:
+            expected[name] = full  # type: ignore[assignment]
+
+    want("token_embd.weight", (n_embd, n_vocab))
+    want("output.weight", (n_embd, n_vocab))
+    want("output_norm.weight", (n_embd,))
+    for il in range(layout.n_layer):
+        b = f"blk.{il}."
+        h, kv, ff = n_head[il], n_head_kv[il], n_ff_exp[il]
+        want(b + "attn_norm.weight", (n_embd,))
+        want(b + "ffn_norm.weight", (n_embd,))
+        want(b + "ffn_gate_inp.weight", (n_embd, layout.n_expert))
+        want(b + "ffn_gate_exps.weight", (n_embd, ff, layout.n_expert))
+        want(b + "ffn_up_exps.weight", (n_embd, ff, layout.n_expert))
+        want(b + "ffn_down_exps.weight", (ff, n_embd, layout.n_expert))
+        want(b + "ffn_gate_up_exps.weight", (n_embd, None if ff is None else 2 * ff, layout.n_expert))
+        if heads is None or h is None or kv is None or layout.arch not in _PLAIN_ATTENTION:
+            continue
+        # Sliding-window layers (gemma4) have their own head size: either is accepted per layer.
+        sizes = {(heads.k, heads.v), (heads.k_swa, heads.v_swa)}
+        want(b + "attn_q.weight", *[(n_embd, h * k) for k, _ in sizes])
+        want(b + "attn_k.weight", *[(n_embd, kv * k) for k, _ in sizes])
+        want(b + "attn_v.weight", *[(n_embd, kv * v) for _, v in sizes])
+        want(b + "attn_output.weight", *[(h * v, n_embd) for _, v in sizes])
+        want(b + "attn_q_norm.weight", *[(k,) for k, _ in sizes])
+        want(b + "attn_k_norm.weight", *[(k,) for k, _ in sizes])
+    for name, shapes in expected.items():
+        span = layout.tensors.get(name)
+        if span is not None and span.ne not in shapes:
+            says = " or ".join(str(list(s)) for s in shapes)
+            cls = ExpertLayoutError if "_exps." in name else ModelFileError
+            raise cls(
+                f"{path}: tensor {name!r} is {list(span.ne)}, the {layout.arch} metadata says {says} "
+                "(keys and tensors disagree: edited, or relabelled from another architecture?)"
+            )

@@ -1,0 +1,61 @@
+"""Server metrics in Prometheus text format (prometheus_client, one private registry per app).
+
+Counters add up every generation; the gauges say what the last generation measured. A figure the
+engine could not measure (a resident model reads no experts) is left out of the sums and its gauge
+reads NaN, never 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+
+
+class ServerMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, queue_depth: Callable[[], float]) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("bmoe_requests", "Completion requests by outcome", ["outcome"], registry=r)
+        self.generated = Counter("bmoe_completion_tokens", "Tokens generated", registry=r)
+        self.prompt = Counter("bmoe_prompt_tokens", "Prompt tokens received", registry=r)
+        self.reused = Counter("bmoe_prompt_tokens_reused", "Prompt tokens found in the context (not evaluated)", registry=r)
+        self.decode_seconds = Counter("bmoe_decode_seconds", "Wall time of decode steps after prefill", registry=r)
+        self.bytes_read = Counter("bmoe_expert_bytes_read", "Expert bytes read from the model file", registry=r)
+        self.stall_ms = Counter("bmoe_stall_milliseconds", "Compute thread time spent waiting on expert reads", registry=r)
+        self.cache_hits = Counter("bmoe_cache_hits", "Routed experts found in the cache", registry=r)
+        self.cache_misses = Counter("bmoe_cache_misses", "Routed experts read from the model file", registry=r)
+        self.tok_per_s = Gauge("bmoe_tokens_per_second", "Decode tokens per second of the last generation", registry=r)
+        self.hit_pct = Gauge("bmoe_cache_hit_percent", "Cache hit % over the server's life", registry=r)
+        self.queue = Gauge("bmoe_queue_depth", "Requests waiting for their turn", registry=r)
+        self.queue.set_function(queue_depth)
+        self.tok_per_s.set(math.nan)
+        self.hit_pct.set(math.nan)
+        self._hits = self._used = 0
+
+    def record(self, stats: Any, usage: Any) -> None:
+        """One finished (or cancelled) generation: its GenerationStats and Usage."""
+        if usage is not None:
+            self.generated.inc(usage.completion_tokens)
+            self.prompt.inc(usage.prompt_tokens)
+            self.reused.inc(usage.prompt_reused)
+        if stats is None:
+            return
+        self.decode_seconds.inc(stats.decode_s)
+        self.tok_per_s.set(math.nan if stats.tok_per_s is None else stats.tok_per_s)
+        if stats.bytes_read is not None:
+            self.bytes_read.inc(stats.bytes_read)
+        if stats.blocked_s is not None:
+            self.stall_ms.inc(stats.blocked_s * 1e3)
+        if stats.cache_hits is not None and stats.experts_read is not None:
+            self.cache_hits.inc(stats.cache_hits)
+            self.cache_misses.inc(stats.experts_read)
+            self._hits += stats.cache_hits
+            self._used += stats.cache_hits + stats.experts_read
+            self.hit_pct.set(100.0 * self._hits / self._used if self._used else math.nan)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,70 @@
+"""Run the server: uvicorn on uvloop (when installed), on a socket bound before the model opens so
+that a port of 0 can be reported, and a line on stderr once requests are accepted."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+from bmoe.engine.config import RunConfig
+from bmoe.engine.session import Session
+from bmoe.errors import ConfigError
+from bmoe.server.app import create_app
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (port 0: a free one), or one clear ConfigError."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ConfigError(f"--host {host}: {exc.strerror}") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(model: str | Path, config: RunConfig, *, host: str = "127.0.0.1", port: int = 8080,
+          api_key: str | None = None, max_waiting: int = 8, max_body: int | None = None,
+          quiet: bool = False) -> None:
+    import uvicorn
+
+    sock = bind(host, port)
+    bound = sock.getsockname()[1]
+    try:
+        session = Session.open(model, config)  # before uvicorn: a bad file is one line, not a traceback
+    except BaseException:
+        sock.close()
+        raise
+
+    def ready(session: Session) -> None:
+        for warning in session.warnings:
+            print(f"bmoe: warning: {warning}", file=sys.stderr)
+        if not quiet:
+            where = f"[{host}]" if ":" in host else host
+            print(f"bmoe serve: {session.model_name} on http://{where}:{bound}/v1"
+                  f"{' (API key required)' if api_key else ''}", file=sys.stderr, flush=True)
+
+    kw = {} if max_body is None else {"max_body": max_body}
+    app = create_app(session, api_key=api_key, max_waiting=max_waiting, on_ready=ready, **kw)
+    try:
+        import uvloop  # noqa: F401
+
+        loop = "uvloop"
+    except ImportError:
+        loop = "asyncio"
+    server = uvicorn.Server(uvicorn.Config(app, loop=loop, log_level="warning", lifespan="on",
+                                           timeout_graceful_shutdown=5))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        session.close()

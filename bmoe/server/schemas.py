@@ -1,0 +1,63 @@
+"""Request bodies of the OpenAI routes, validated by pydantic (strict types: ``"5"`` is not a number).
+
+Unknown fields are ignored, as OpenAI clients send many (``user``, ``stream_options``...); a known
+field of the wrong type is a 400. Semantic checks (max_tokens > 0, messages well formed, a prompt
+that fits the context, n == 1) are the engine's (``bmoe.engine.completions``), so the Python API
+and the server refuse the same things the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    n: int = 1
+    grammar: str | None = None
+    response_format: dict[str, Any] | None = None
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Arguments for ``bmoe.engine.completions`` (None left out: the engine's default)."""
+        skip = {"stream", "model"}
+        return {k: v for k, v in self.model_dump().items() if k not in skip and v is not None}
+
+
+class ChatRequest(_Sampling):
+    messages: list[Any]
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        kw = super().engine_kwargs()
+        kw.pop("messages", None)
+        limit = kw.pop("max_completion_tokens", None)
+        if limit is not None and "max_tokens" not in kw:
+            kw["max_tokens"] = limit
+        return kw
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int]
+    logprobs: int | None = None
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        kw = super().engine_kwargs()
+        kw.pop("prompt", None)
+        return kw

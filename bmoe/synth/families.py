@@ -1,0 +1,445 @@
+"""The tensor sets and keys of the MoE families beyond bmoe's first three, for tiny fixtures.
+
+Each family writes exactly what its loader in the pinned llama.cpp (``src/models/<arch>.cpp``)
+creates, at tiny widths, so that the pin loads and decodes it: extra tensors fail the load, and
+several missing or malformed keys abort the process (see ``../shared/ARCHITECTURES.md``). Shapes
+here are numpy order (outermost first), the reverse of ggml's. What a family chooses beyond the
+loader (how many leading dense blocks, which layers are recurrent, MTP blocks) is chosen so the
+fixture exercises what bmoe must handle: layers without experts, shared experts and resident
+expert-dimension tensors, MXFP4, MTP blocks, recurrent state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from gguf import GGMLQuantizationType, GGUFWriter
+
+
+class _Builder(Protocol):
+    """What a layer plan writes with: widths and one method per kind of tensor. The tiny writer's
+    builder quantizes random floats; ``synth --like``'s writes random blocks at real widths."""
+
+    spec: Any  # n_layer (main blocks), n_expert, fused
+    E: int
+    F: int
+    hd: int
+    F_dense: int
+    F_shexp: int
+    n_head: int
+    n_head_kv: int
+    dense_lead: int
+    router_std: float
+    x: dict[str, Any]
+
+    def mat(self, name: str, shape: tuple[int, ...], std: float, zero_rows: tuple[int, ...] = (),
+            qtype: GGMLQuantizationType | None = None) -> None: ...
+
+    def f32(self, name: str, shape: tuple[int, ...], std: float) -> None: ...
+
+    def ones(self, name: str, n: int) -> None: ...
+
+    def const(self, name: str, n: int, value: float) -> None: ...
+
+    def experts(self, p: str, qtype: GGMLQuantizationType | None = None) -> None: ...
+
+MXFP4 = GGMLQuantizationType.MXFP4
+SMALL_STD = 0.1  # biases, selection biases, sinks: present and varied, never dominant
+
+
+@dataclass(frozen=True)
+class Family:
+    arch: str
+    layer: Callable[[_Builder, int], None]  # the tensors of block il (MTP blocks included)
+    keys: Callable[[GGUFWriter, _Builder], None]  # keys beyond write_moe_keys
+    min_layers: int = 1
+    default_layers: int = 2
+    # Keys of write_moe_keys this family writes differently (MLA head sizes, per-layer KV heads).
+    overrides: Callable[[_Builder], dict[str, Any]] = lambda b: {}
+    output_norm: str = "output_norm.weight"
+    fuses_gate_up: bool = False  # may write ffn_gate_up_exps (llama.cpp accepts either)
+    mtp: bool = False  # may carry nextn_predict_layers MTP blocks
+    # Family widths beyond the common ones (MLA ranks, gated-delta-net heads, groups, ...): the tiny
+    # fixture's values; ``synth --like`` replaces them with a real model's (``MoeShape.extra``).
+    extra: tuple[tuple[str, Any], ...] = ()
+
+
+# --- shared pieces --------------------------------------------------------------------------
+
+
+def _attn(b: _Builder, p: str, *, q_mult: int = 1, norms: bool = True) -> None:
+    E, hd = b.E, b.hd
+    q_dim, kv_dim = b.n_head * hd, b.n_head_kv * hd
+    b.mat(p + "attn_q.weight", (q_mult * q_dim, E), E ** -0.5)
+    b.mat(p + "attn_k.weight", (kv_dim, E), E ** -0.5)
+    b.mat(p + "attn_v.weight", (kv_dim, E), E ** -0.5)
+    b.mat(p + "attn_output.weight", (E, q_dim), q_dim ** -0.5)
+    if norms:
+        b.ones(p + "attn_q_norm.weight", hd)
+        b.ones(p + "attn_k_norm.weight", hd)
+
+
+def _dense_ffn(b: _Builder, p: str, width: int) -> None:
+    E = b.E
+    b.mat(p + "ffn_gate.weight", (width, E), E ** -0.5)
+    b.mat(p + "ffn_up.weight", (width, E), E ** -0.5)
+    b.mat(p + "ffn_down.weight", (E, width), width ** -0.5)
+
+
+def _shexp(b: _Builder, p: str, width: int) -> None:
+    E = b.E
+    b.mat(p + "ffn_gate_shexp.weight", (width, E), E ** -0.5)
+    b.mat(p + "ffn_up_shexp.weight", (width, E), E ** -0.5)
+    b.mat(p + "ffn_down_shexp.weight", (E, width), width ** -0.5)
+
+
+def _router(b: _Builder, p: str, probs_bias: bool = False) -> None:
+    b.mat(p + "ffn_gate_inp.weight", (b.spec.n_expert, b.E), b.router_std)
+    if probs_bias:
+        b.f32(p + "exp_probs_b.bias", (b.spec.n_expert,), SMALL_STD)
+
+
+def _nextn(b: _Builder, p: str) -> None:
+    E = b.E
+    b.mat(p + "nextn.eh_proj.weight", (E, 2 * E), (2 * E) ** -0.5)
+    b.ones(p + "nextn.enorm.weight", E)
+    b.ones(p + "nextn.hnorm.weight", E)
+
+
+def _is_mtp(b: _Builder, il: int) -> bool:
+    return il >= b.spec.n_layer
+
+
+def _gating(w: GGUFWriter, a: str, func: int = 2) -> None:
+    w.add_uint32(f"{a}.expert_gating_func", func)
+    w.add_bool(f"{a}.expert_weights_norm", True)
+    w.add_float32(f"{a}.expert_weights_scale", 1.0)
+
+
+# --- gpt-oss ----------------------------------------------------------------------------------
+
+
+def _gpt_oss_layer(b: _Builder, il: int) -> None:
+    p, E, F, N = f"blk.{il}.", b.E, b.F, b.spec.n_expert
+    b.ones(p + "attn_norm.weight", E)
+    b.ones(p + "post_attention_norm.weight", E)
+    _attn(b, p, norms=False)
+    b.f32(p + "attn_output.bias", (E,), SMALL_STD)
+    b.f32(p + "attn_sinks.weight", (b.n_head,), SMALL_STD)
+    _router(b, p)
+    b.f32(p + "ffn_gate_inp.bias", (N,), SMALL_STD)
+    b.experts(p, qtype=MXFP4)
+    # Per-expert biases (ggml_add_id by the routed ids): an expert dimension, but resident.
+    b.f32(p + "ffn_gate_exps.bias", (N, F), SMALL_STD)
+    b.f32(p + "ffn_up_exps.bias", (N, F), SMALL_STD)
+    b.f32(p + "ffn_down_exps.bias", (N, E), SMALL_STD)
+
+
+def _gpt_oss_keys(w: GGUFWriter, b: _Builder) -> None:
+    w.add_uint32("gpt-oss.attention.sliding_window", b.x["sliding_window"])
+
+
+# --- glm4moe / bailingmoe2 / deepseek2: dense lead, shared experts, selection bias, MTP ---------
+
+
+def _glm4moe_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "attn_norm.weight", E)
+    _attn(b, p)
+    b.ones(p + "post_attention_norm.weight", E)
+    if il < b.dense_lead:
+        _dense_ffn(b, p, b.F_dense)
+    else:
+        _router(b, p, probs_bias=True)
+        b.experts(p)
+        _shexp(b, p, b.F * b.x["n_shared"])
+    if _is_mtp(b, il):
+        _nextn(b, p)
+
+
+def _glm4moe_keys(w: GGUFWriter, b: _Builder) -> None:
+    a = "glm4moe"
+    w.add_uint32(f"{a}.feed_forward_length", b.F_dense)
+    w.add_uint32(f"{a}.expert_shared_count", b.x["n_shared"])
+    w.add_uint32(f"{a}.leading_dense_block_count", b.dense_lead)
+    _gating(w, a)
+
+
+def _bailing_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "attn_norm.weight", E)
+    b.mat(p + "attn_qkv.weight", (E + 2 * b.n_head_kv * b.hd, E), E ** -0.5)
+    b.mat(p + "attn_output.weight", (E, b.n_head * b.hd), E ** -0.5)
+    b.ones(p + "attn_q_norm.weight", b.hd)
+    b.ones(p + "attn_k_norm.weight", b.hd)
+    b.ones(p + "ffn_norm.weight", E)
+    if il < b.dense_lead:
+        _dense_ffn(b, p, b.F_dense)
+    else:
+        _router(b, p, probs_bias=True)
+        b.experts(p)
+        _shexp(b, p, b.F)
+    if _is_mtp(b, il):
+        _nextn(b, p)
+        b.ones(p + "layer_output_norm.weight", E)
+
+
+def _bailing_keys(w: GGUFWriter, b: _Builder) -> None:
+    a = "bailingmoe2"
+    w.add_uint32(f"{a}.feed_forward_length", b.F_dense)
+    w.add_uint32(f"{a}.expert_shared_count", 1)
+    w.add_uint32(f"{a}.leading_dense_block_count", b.dense_lead)
+    _groups(w, a, b)
+    _gating(w, a)
+
+
+# DeepSeek MLA widths (ARCHITECTURES.md's verified fixture): q and kv low-rank, nope/rope/v heads.
+_DS_MLA = (("q_rank", 64), ("kv_rank", 64), ("nope", 32), ("rope", 16), ("v", 32), ("groups", (4, 2)),
+           ("gating", 2), ("n_shared", 1))
+
+
+def _deepseek2_layer(b: _Builder, il: int) -> None:
+    p, E, H, x = f"blk.{il}.", b.E, b.n_head, b.x
+    q_rank, kv_rank, nope, rope, v = x["q_rank"], x["kv_rank"], x["nope"], x["rope"], x["v"]
+    b.ones(p + "attn_norm.weight", E)
+    if q_rank:
+        b.ones(p + "attn_q_a_norm.weight", q_rank)
+    b.ones(p + "attn_kv_a_norm.weight", kv_rank)
+    if q_rank:
+        b.mat(p + "attn_q_a.weight", (q_rank, E), E ** -0.5)
+        b.mat(p + "attn_q_b.weight", (H * (nope + rope), q_rank), q_rank ** -0.5)
+    else:  # the Lite models: no query compression
+        b.mat(p + "attn_q.weight", (H * (nope + rope), E), E ** -0.5)
+    b.mat(p + "attn_kv_a_mqa.weight", (kv_rank + rope, E), E ** -0.5)
+    b.mat(p + "attn_k_b.weight", (H, kv_rank, nope), nope ** -0.5)
+    b.mat(p + "attn_v_b.weight", (H, v, kv_rank), kv_rank ** -0.5)
+    b.mat(p + "attn_output.weight", (E, H * v), (H * v) ** -0.5)
+    b.ones(p + "ffn_norm.weight", E)
+    if il < b.dense_lead:
+        _dense_ffn(b, p, b.F_dense)
+    else:
+        _router(b, p, probs_bias=True)
+        b.experts(p)
+        _shexp(b, p, b.F * b.x["n_shared"])
+    if _is_mtp(b, il):
+        _nextn(b, p)
+
+
+def _groups(w: GGUFWriter, a: str, b: _Builder) -> None:
+    if b.x.get("groups"):
+        w.add_uint32(f"{a}.expert_group_count", b.x["groups"][0])
+        w.add_uint32(f"{a}.expert_group_used_count", b.x["groups"][1])
+
+
+def _deepseek2_keys(w: GGUFWriter, b: _Builder) -> None:
+    a, x = "deepseek2", b.x
+    w.add_uint32(f"{a}.feed_forward_length", b.F_dense)
+    # 0 for the Lite models (no query compression); written even then, since llama.cpp requires
+    # it of every block count but 26 and 27 (a cut-down synth file has fewer layers).
+    w.add_uint32(f"{a}.attention.q_lora_rank", x["q_rank"])
+    w.add_uint32(f"{a}.attention.kv_lora_rank", x["kv_rank"])
+    w.add_uint32(f"{a}.attention.key_length_mla", x["nope"] + x["rope"])
+    w.add_uint32(f"{a}.attention.value_length_mla", x["v"])
+    w.add_uint32(f"{a}.expert_shared_count", x["n_shared"])
+    w.add_uint32(f"{a}.leading_dense_block_count", b.dense_lead)
+    _groups(w, a, b)
+    _gating(w, a, x["gating"])
+
+
+def _deepseek2_overrides(b: _Builder) -> dict[str, Any]:
+    # MLA: the KV cache holds the compressed latent; one KV head of kv_rank + rope widths.
+    x = b.x
+    return {"n_head_kv": 1, "key_length": x["kv_rank"] + x["rope"], "value_length": x["kv_rank"],
+            "rope_dims": x["rope"]}
+
+
+# --- minimax-m2, qwen3vlmoe, llama4 --------------------------------------------------------------
+
+
+def _minimax_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    _attn(b, p, norms=False)
+    b.ones(p + "attn_norm.weight", E)
+    b.ones(p + "attn_q_norm.weight", b.n_head * b.hd)  # full-width q/k norms
+    b.ones(p + "attn_k_norm.weight", b.n_head_kv * b.hd)
+    b.ones(p + "ffn_norm.weight", E)
+    _router(b, p, probs_bias=True)
+    b.experts(p)
+
+
+def _minimax_keys(w: GGUFWriter, b: _Builder) -> None:
+    w.add_uint32("minimax-m2.feed_forward_length", b.F)  # the experts' width on this arch
+    w.add_uint32("minimax-m2.expert_gating_func", 2)
+
+
+def _qwen3vl_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "attn_norm.weight", E)
+    _attn(b, p)
+    b.ones(p + "ffn_norm.weight", E)
+    _router(b, p)
+    b.experts(p)
+
+
+def _sections(rope_dims: int) -> list[int]:
+    """M-RoPE sections over rope_dims/2 rotations, t/h/w as the real models split them."""
+    half = rope_dims // 2
+    t = half - 2 * (half * 5 // 16)
+    return [t, half * 5 // 16, half * 5 // 16, 0]
+
+
+def _qwen3vl_keys(w: GGUFWriter, b: _Builder) -> None:
+    w.add_array("qwen3vlmoe.rope.dimension_sections", _sections(b.hd))
+
+
+LLAMA4_STEP = 2  # Maverick's interleave: every second block is MoE, the others dense
+
+
+def _llama4_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "attn_norm.weight", E)
+    _attn(b, p, norms=False)
+    b.ones(p + "ffn_norm.weight", E)
+    if (il + 1) % LLAMA4_STEP == 0:
+        _router(b, p)
+        b.experts(p)
+        _shexp(b, p, b.F)
+    else:
+        _dense_ffn(b, p, b.F_dense)
+
+
+def _llama4_keys(w: GGUFWriter, b: _Builder) -> None:
+    w.add_uint32("llama4.feed_forward_length", b.F_dense)
+    w.add_uint32("llama4.interleave_moe_layer_step", LLAMA4_STEP)
+
+
+# --- hybrid recurrent: qwen35moe, qwen3next (gated delta net), lfm2moe (short conv) -------------
+
+# Gated-delta-net widths: state S, key heads Kh, value heads Vh, conv kernel Kc; every
+# ``full_attn``-th block full attention (2 here: the others linear), the rope over ``rope`` dims.
+_GDN = (("gdn_s", 16), ("gdn_kh", 2), ("gdn_vh", 4), ("gdn_kc", 4), ("full_attn", 2), ("rope", 0))
+
+
+def _qwen35_layer(b: _Builder, il: int, *, next_variant: bool = False) -> None:
+    p, E, x = f"blk.{il}.", b.E, b.x
+    S, Kh, Vh, Kc = x["gdn_s"], x["gdn_kh"], x["gdn_vh"], x["gdn_kc"]
+    b.ones(p + "attn_norm.weight", E)
+    b.ones(p + "post_attention_norm.weight", E)
+    recurrent = not _is_mtp(b, il) and (il + 1) % x["full_attn"] != 0
+    if not recurrent:
+        _attn(b, p, q_mult=2)  # the query carries its output gate
+    else:
+        key_dim, value_dim = S * Kh, S * Vh
+        conv_dim = 2 * key_dim + value_dim
+        b.mat(p + "attn_qkv.weight", (conv_dim, E), E ** -0.5)
+        b.mat(p + "attn_gate.weight", (value_dim, E), E ** -0.5)
+        b.f32(p + "ssm_conv1d.weight", (conv_dim, Kc), Kc ** -0.5)
+        b.f32(p + "ssm_dt.bias", (Vh,), SMALL_STD)
+        b.const(p + "ssm_a", Vh, -1.0)  # -exp(A_log): a decaying state
+        if next_variant:
+            b.mat(p + "ssm_ba.weight", (2 * Vh, E), E ** -0.5)
+        else:
+            b.mat(p + "ssm_beta.weight", (Vh, E), E ** -0.5)
+            b.mat(p + "ssm_alpha.weight", (Vh, E), E ** -0.5)
+        b.ones(p + "ssm_norm.weight", S)
+        b.mat(p + "ssm_out.weight", (E, value_dim), value_dim ** -0.5)
+    _router(b, p)
+    b.experts(p)
+    b.f32(p + "ffn_gate_inp_shexp.weight", (E,), E ** -0.5)
+    _shexp(b, p, b.F_shexp)
+    if _is_mtp(b, il):
+        _nextn(b, p)
+
+
+def _qwen3next_layer(b: _Builder, il: int) -> None:
+    _qwen35_layer(b, il, next_variant=True)
+
+
+def _gdn_keys(w: GGUFWriter, b: _Builder, a: str) -> None:
+    x = b.x
+    w.add_uint32(f"{a}.ssm.conv_kernel", x["gdn_kc"])
+    w.add_uint32(f"{a}.ssm.state_size", x["gdn_s"])
+    w.add_uint32(f"{a}.ssm.group_count", x["gdn_kh"])
+    w.add_uint32(f"{a}.ssm.time_step_rank", x["gdn_vh"])
+    w.add_uint32(f"{a}.ssm.inner_size", x["gdn_s"] * x["gdn_vh"])
+    w.add_uint32(f"{a}.full_attention_interval", x["full_attn"])
+    w.add_uint32(f"{a}.expert_shared_feed_forward_length", b.F_shexp)
+
+
+def _qwen35_keys(w: GGUFWriter, b: _Builder) -> None:
+    _gdn_keys(w, b, "qwen35moe")
+    sections = b.x.get("sections") or _sections(_partial_rope(b)["rope_dims"])
+    w.add_array("qwen35moe.rope.dimension_sections", list(sections))
+
+
+def _qwen3next_keys(w: GGUFWriter, b: _Builder) -> None:
+    _gdn_keys(w, b, "qwen3next")
+
+
+def _partial_rope(b: _Builder) -> dict[str, Any]:
+    return {"rope_dims": b.x["rope"] or b.hd // 2}
+
+
+SHORTCONV_L_CACHE = 3
+
+
+def _lfm2_attention(b: _Builder, il: int) -> bool:
+    return il == b.spec.n_layer - 1  # the last block attends, the others short-conv
+
+
+def _lfm2_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "ffn_norm.weight", E)
+    if il < b.dense_lead:
+        _dense_ffn(b, p, b.F_dense)
+    else:
+        _router(b, p, probs_bias=True)
+        b.experts(p)
+    b.ones(p + "attn_norm.weight", E)
+    if _lfm2_attention(b, il):
+        b.ones(p + "attn_q_norm.weight", b.hd)
+        b.ones(p + "attn_k_norm.weight", b.hd)
+        b.mat(p + "attn_q.weight", (E, E), E ** -0.5)
+        b.mat(p + "attn_k.weight", (b.n_head_kv * b.hd, E), E ** -0.5)
+        b.mat(p + "attn_v.weight", (b.n_head_kv * b.hd, E), E ** -0.5)
+        b.mat(p + "attn_output.weight", (E, E), E ** -0.5)
+    else:
+        b.f32(p + "shortconv.conv.weight", (E, SHORTCONV_L_CACHE), SHORTCONV_L_CACHE ** -0.5)
+        b.mat(p + "shortconv.in_proj.weight", (3 * E, E), E ** -0.5)
+        b.mat(p + "shortconv.out_proj.weight", (E, E), E ** -0.5)
+
+
+def _lfm2_keys(w: GGUFWriter, b: _Builder) -> None:
+    a = "lfm2moe"
+    w.add_uint32(f"{a}.feed_forward_length", b.F_dense)
+    w.add_uint32(f"{a}.shortconv.l_cache", SHORTCONV_L_CACHE)
+    w.add_uint32(f"{a}.leading_dense_block_count", b.dense_lead)
+    _gating(w, a)
+
+
+def _lfm2_overrides(b: _Builder) -> dict[str, Any]:
+    # Per-block KV heads: 0 marks a short-conv block.
+    return {"n_head_kv": [b.n_head_kv if _lfm2_attention(b, il) else 0 for il in range(b.spec.n_layer)]}
+
+
+FAMILIES: dict[str, Family] = {
+    f.arch: f
+    for f in (
+        Family("gpt-oss", _gpt_oss_layer, _gpt_oss_keys, min_layers=2, extra=(("sliding_window", 128),)),
+        Family("glm4moe", _glm4moe_layer, _glm4moe_keys, min_layers=2, mtp=True, extra=(("n_shared", 1),)),
+        Family("bailingmoe2", _bailing_layer, _bailing_keys, min_layers=2, mtp=True, extra=(("groups", (2, 1)),)),
+        Family("deepseek2", _deepseek2_layer, _deepseek2_keys, min_layers=2, default_layers=3,
+               overrides=_deepseek2_overrides, fuses_gate_up=True, mtp=True, extra=_DS_MLA),
+        Family("minimax-m2", _minimax_layer, _minimax_keys),
+        Family("qwen3vlmoe", _qwen3vl_layer, _qwen3vl_keys),
+        Family("llama4", _llama4_layer, _llama4_keys, min_layers=4, default_layers=4),
+        Family("qwen35moe", _qwen35_layer, _qwen35_keys, min_layers=2, overrides=_partial_rope,
+               fuses_gate_up=True, mtp=True, extra=_GDN),
+        Family("qwen3next", _qwen3next_layer, _qwen3next_keys, min_layers=2, overrides=_partial_rope,
+               fuses_gate_up=True, mtp=True, extra=_GDN),
+        Family("lfm2moe", _lfm2_layer, _lfm2_keys, min_layers=3, default_layers=3,
+               overrides=_lfm2_overrides, output_norm="token_embd_norm.weight"),
+    )
+}

@@ -1,0 +1,131 @@
+"""Metadata that makes the pinned llama.cpp kill the process (GGML_ASSERT / GGML_ABORT, see
+ARCHITECTURES.md section 6) is refused in Python first: one line on stderr, exit status 1, never a
+signal. Each malformed file is a tiny fixture with one key changed, run through the CLI in a
+subprocess so that an abort would show as a negative return code instead of ending the suite."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+from gguf.gguf_writer import GGUFValue
+
+from bmoe.errors import ModelFileError
+from bmoe.io.validate import open_layout
+from bmoe.synth import tiny as tiny_mod
+from bmoe.synth.tiny import TinySpec, write_tiny
+
+
+def set_u32(key: str, value: int) -> Callable[[GGUFWriter], None]:
+    def edit(w: GGUFWriter) -> None:
+        w.kv_data[0][key] = GGUFValue(value, GGUFValueType.UINT32)
+
+    return edit
+
+
+def drop(key: str) -> Callable[[GGUFWriter], None]:
+    def edit(w: GGUFWriter) -> None:
+        del w.kv_data[0][key]
+
+    return edit
+
+
+def set_value(key: str, value: object, vtype: GGUFValueType, sub: GGUFValueType | None = None) -> Callable[[GGUFWriter], None]:
+    def edit(w: GGUFWriter) -> None:
+        w.kv_data[0][key] = GGUFValue(value, vtype, sub)
+
+    return edit
+
+
+def rename_arch(old: str, new: str, then: Callable[[GGUFWriter], None] | None = None) -> Callable[[GGUFWriter], None]:
+    """The same file under another architecture's keys (validation is all this reaches)."""
+
+    def edit(w: GGUFWriter) -> None:
+        kv = w.kv_data[0]
+        for key in [k for k in kv if k.startswith(old + ".")]:
+            kv[new + key[len(old):]] = kv.pop(key)
+        kv["general.architecture"] = GGUFValue(new, GGUFValueType.STRING)
+        if then is not None:
+            then(w)
+
+    return edit
+
+
+# (id, spec, metadata edit, what the one line must say)
+FAULTS = [
+    ("gating-absent", TinySpec(arch="minimax-m2"), drop("minimax-m2.expert_gating_func"), "expert_gating_func"),
+    ("gating-invalid", TinySpec(arch="glm4moe"), set_u32("glm4moe.expert_gating_func", 7), "expert_gating_func is 7"),
+    ("gating-none", TinySpec(arch="bailingmoe2"), set_u32("bailingmoe2.expert_gating_func", 0), "expert_gating_func is 0"),
+    ("groups-do-not-divide", TinySpec(arch="bailingmoe2"), set_u32("bailingmoe2.expert_group_count", 3),
+     "does not divide"),
+    ("group-used-too-many", TinySpec(arch="bailingmoe2"), set_u32("bailingmoe2.expert_group_used_count", 2),
+     "expert_group_used_count is 2"),
+    ("group-used-zero", TinySpec(arch="deepseek2"), set_u32("deepseek2.expert_group_used_count", 0),
+     "expert_group_used_count is 0"),
+    ("nextn-beyond-blocks", TinySpec(arch="glm4moe", n_nextn=1), set_u32("glm4moe.nextn_predict_layers", 9),
+     "nextn_predict_layers is 9"),
+    ("block-count-zero", TinySpec(arch="qwen3vlmoe"), set_u32("qwen3vlmoe.block_count", 0), "block_count is 0"),
+    ("zero-rope-sections", TinySpec(arch="qwen3vlmoe"),
+     set_value("qwen3vlmoe.rope.dimension_sections", [0, 0, 0, 0], GGUFValueType.ARRAY, GGUFValueType.INT32),
+     "all-zero sections"),
+    ("used-over-count", TinySpec(arch="llama4"), set_u32("llama4.expert_used_count", 9), "expert_used_count is 9"),
+    ("count-zero", TinySpec(arch="gpt-oss"), set_u32("gpt-oss.expert_count", 0), "expert_used_count is 2"),
+    ("rope-scaling-unknown", TinySpec(arch="qwen35moe"),
+     set_value("qwen35moe.rope.scaling.type", "warp", GGUFValueType.STRING), "rope.scaling.type is 'warp'"),
+    ("hybrid-without-attention", TinySpec(arch="qwen3next"), set_u32("qwen3next.full_attention_interval", 4),
+     "none of the 2 blocks attends"),
+    ("conv-only-lfm2", TinySpec(arch="lfm2moe"),
+     set_value("lfm2moe.attention.head_count_kv", [0, 0, 0], GGUFValueType.ARRAY, GGUFValueType.INT32),
+     "none of the 3 blocks attends"),
+    ("olmoe-without-ffn-width", TinySpec(arch="qwen3moe"), rename_arch("qwen3moe", "olmoe"), "olmoe.feed_forward_length"),
+    ("llama-ffn-width-wrong", TinySpec(arch="qwen3moe"),
+     rename_arch("qwen3moe", "llama", set_u32("llama.feed_forward_length", 48)), "llama.feed_forward_length is 48"),
+]
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "bmoe.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("spec,edit,message", [f[1:] for f in FAULTS], ids=[f[0] for f in FAULTS])
+def test_aborting_metadata_is_one_line_exit_1(tmp_path: Path, spec: TinySpec, edit, message: str) -> None:  # noqa: ANN001
+    (path,) = write_tiny(tmp_path / "bad.gguf", spec, edit_metadata=edit)
+    with pytest.raises(ModelFileError, match=message.replace("(", r"\(")):
+        open_layout(path)
+    done = cli("run", "-m", str(path), "-p", "hello", "-n", "2")
+    assert done.returncode == 1, f"status {done.returncode} (negative: killed by a signal)\n{done.stderr}"
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bmoe: error: ") and message in lines[0], done.stderr
+
+
+def test_non_f32_sinks_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpt-oss's sinks go to a kernel that asserts F32: a file with F16 sinks would abort at decode."""
+    original = tiny_mod._Builder.f32
+
+    def f32(self, name: str, shape: tuple[int, ...], std: float) -> None:  # noqa: ANN001
+        original(self, name, shape, std)
+        if name.endswith("attn_sinks.weight"):
+            t = self.out[-1]
+            self.out[-1] = tiny_mod._Tensor(t.name, t.shape, GGMLQuantizationType.F16, t.chunks)
+
+    monkeypatch.setattr(tiny_mod._Builder, "f32", f32)
+    (path,) = write_tiny(tmp_path / "bad.gguf", TinySpec(arch="gpt-oss"))
+    done = cli("run", "-m", str(path), "-p", "hello", "-n", "2")
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()]
+    assert "attn_sinks.weight is F16; llama.cpp needs F32" in done.stderr
+
+
+def test_without_validation_the_same_fault_kills_the_process(tmp_path: Path) -> None:
+    """The control: handed straight to llama.cpp, a file these checks refuse aborts the process."""
+    (path,) = write_tiny(tmp_path / "bad.gguf", TinySpec(arch="bailingmoe2"),
+                         edit_metadata=set_u32("bailingmoe2.expert_gating_func", 0))
+    code = ("import llama_cpp, sys; llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, verbose=False); "
+            "llm('hello', max_tokens=2)")
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode < 0, f"status {done.returncode}: llama.cpp no longer aborts here?"
+    assert cli("run", "-m", str(path), "-p", "hello", "-n", "2").returncode == 1

@@ -1,0 +1,133 @@
+"""Budget sizing at open: the memory model of everything else the process needs, a fixed budget
+that cannot fit refused with the figure that would (or warned when forced), and the smaps reading
+the model rests on."""
+
+from __future__ import annotations
+
+import pytest
+
+from bmoe.engine.config import RunConfig
+from bmoe.engine.session import Session
+from bmoe.errors import BudgetError
+from bmoe.pipeline.budget import (
+    INTERPRETER_GROWTH,
+    MiB,
+    Needs,
+    SmapsTotals,
+    margin_bytes,
+    needs_from,
+    parse_smaps,
+    resolve_budget,
+    transient_bytes,
+)
+from bmoe.synth.tiny import TinySpec
+
+GiB = 1 << 30
+NEEDS = Needs(dense=500 * MiB, buffers=300 * MiB, code=100 * MiB, transient=340 * MiB,
+              interpreter=64 * MiB, margin=700 * MiB)  # 2004 MiB in all
+
+
+def resolve(requested: int | None, available: int = 8 * GiB, **kw: object):  # noqa: ANN201
+    args = {"ceiling": None, "mem_available": available, "needs": NEEDS, "expert_bank_bytes": 16 * GiB,
+            "working_set_bytes": 800 * MiB} | kw
+    return resolve_budget(requested, **args)  # type: ignore[arg-type]
+
+
+def test_auto_gives_the_cache_what_every_other_need_leaves() -> None:
+    b = resolve(None)
+    assert b.bytes == b.fit_bytes == 8 * GiB - NEEDS.total
+    for term in ("500 MiB dense", "300 MiB KV + compute", "100 MiB code", "340 MiB prefill union",
+                 "64 MiB interpreter", "700 MiB margin"):
+        assert term in b.how, f"{term!r} missing from {b.how!r}"
+    assert resolve(None, expert_bank_bytes=1 * GiB).bytes == 1 * GiB, "never more than the bank"
+    assert resolve(None, ceiling=2 * GiB).bytes == 2 * GiB
+    assert resolve(None, available=NEEDS.total - 1).bytes == 0, "nothing spare: cache off, not negative"
+
+
+def test_a_fixed_budget_that_cannot_fit_is_refused_with_the_figure_that_would() -> None:
+    fit = 8 * GiB - NEEDS.total
+    assert resolve(fit).bytes == fit, "exactly what fits is accepted"
+    with pytest.raises(BudgetError, match=rf"a {(fit + MiB) // MiB} MiB cache does not fit.*{fit // MiB} MiB would"):
+        resolve(fit + MiB)
+    forced = resolve(7 * GiB, force=True)
+    assert forced.bytes == 7 * GiB and forced.warning is not None and "forced" in forced.warning
+    assert resolve(0, available=0).bytes == 0, "cache off always fits"
+    assert resolve(20 * GiB, expert_bank_bytes=1 * GiB).bytes == 20 * GiB, "only the bank's worth is held"
+
+
+def test_below_the_working_set_still_warns() -> None:
+    b = resolve(100 * MiB)
+    assert b.warning is not None and "working set" in b.warning
+
+
+def test_needs_terms() -> None:
+    smaps = SmapsTotals(untouched_anon=123 * MiB, code_file=45 * MiB)
+    mapped = needs_from(smaps=smaps, dense_bytes=600 * MiB, dense_in_file=True, transient=7, mem_total=32 * GiB)
+    assert (mapped.dense, mapped.buffers, mapped.code, mapped.transient) == (600 * MiB, 123 * MiB, 45 * MiB, 7)
+    assert mapped.interpreter == INTERPRETER_GROWTH and mapped.margin == margin_bytes(32 * GiB) == 32 * GiB * 3 // 100
+    filled = needs_from(smaps=smaps, dense_bytes=600 * MiB, dense_in_file=False, transient=7, mem_total=32 * GiB)
+    assert filled.dense == 0, "dense weights the open filled into anonymous memory are paid already"
+    assert margin_bytes(2 * GiB) == 256 * MiB
+    assert transient_bytes(128, 8, 512, 3 * MiB) == 128 * 3 * MiB, "a long prompt pins a whole layer"
+    assert transient_bytes(128, 8, 4, 3 * MiB) == 32 * 3 * MiB
+
+
+SMAPS = """\
+55d0-55d2 r-xp 00000000 fe:00 11 /usr/lib/libllama.so
+Size:                  8 kB
+Rss:                   8 kB
+Anonymous:             0 kB
+VmFlags: rd ex
+55d2-55d3 rw-p 00002000 fe:00 11 /usr/lib/libllama.so
+Size:                  4 kB
+Rss:                   4 kB
+Anonymous:             4 kB
+7f0000000000-7f0000100000 rw-p 00000000 00:00 0
+Size:               1024 kB
+Rss:                 256 kB
+Anonymous:           256 kB
+7f40-7f41 ---p 00000000 00:00 0
+Size:               2048 kB
+Rss:                   0 kB
+7f50-7f60 r--s 00000000 fe:00 99 /models/m.gguf
+Size:              40960 kB
+Rss:               20480 kB
+Anonymous:             0 kB
+7f70-7f71 rw-p 00000000 00:00 0                          [heap]
+Size:                100 kB
+Rss:                  60 kB
+Anonymous:            60 kB
+7f80-7f81 rw-p 00000000 00:00 0                          [stack]
+Size:                132 kB
+Rss:                  32 kB
+"""
+
+
+def test_smaps_totals() -> None:
+    t = parse_smaps(SMAPS, ["/models/m.gguf"])
+    assert t.untouched_anon == (1024 - 256 + 100 - 60) * 1024, "writable private anonymous, heap included"
+    assert t.code_file == 8 * 1024, "file pages of code; copy-on-write pages are anonymous; the model aside"
+    assert parse_smaps(SMAPS).code_file == (8 + 20480) * 1024
+    assert parse_smaps("") == SmapsTotals(0, 0)
+    experts = parse_smaps(SMAPS, ["/models/m.gguf"], exclude_ranges=[(0x7F0000080000, 0x7F0000180000)])
+    assert experts.untouched_anon == (1024 - 256 - 512 + 100 - 60) * 1024, "expert bytes are no need (the part inside the mapping)"
+
+
+def test_session_refuses_a_budget_that_cannot_fit_and_runs_it_forced(tiny, monkeypatch) -> None:
+    import bmoe.engine.streaming as streaming
+
+    path = tiny.path(TinySpec(n_embd=256, n_ff=256, n_layer=3))
+    total = {"MemTotal": 16 * GiB}
+    monkeypatch.setattr(streaming, "read_meminfo", lambda: total | {"MemAvailable": 600 * MiB})
+    cfg = RunConfig(mode="stream", n_ctx=256, cache_bytes=8 * MiB)
+    with pytest.raises(BudgetError, match=r"a 8 MiB cache does not fit in memory: 0 MiB would"):
+        Session.open(path, cfg)
+    with Session.open(path, RunConfig(mode="stream", n_ctx=256, cache_bytes=8 * MiB, force_cache=True)) as s:
+        assert s.budget_bytes == 8 * MiB and any("forced" in w for w in s.warnings)
+    with Session.open(path, RunConfig(mode="stream", n_ctx=256, cache_bytes=None)) as s:
+        assert s.budget_bytes == 0 and "= 0 MiB" in s.budget_how, "auto on a full machine: cache off"
+    monkeypatch.setattr(streaming, "read_meminfo", lambda: total | {"MemAvailable": 8 * GiB})
+    with Session.open(path, cfg) as s:
+        assert s.budget_bytes == 8 * MiB and "KV + compute buffers" not in s.budget_how
+    with Session.open(path, RunConfig(mode="stream", n_ctx=256, cache_bytes=None)) as s:
+        assert s.budget_bytes == s.layout.expert_bytes and "KV + compute buffers untouched" in s.budget_how

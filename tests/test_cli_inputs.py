@@ -1,0 +1,98 @@
+"""Numbers, paths and streams a user hands the CLI: each bad one is one line, never a traceback.
+
+Malformed numbers are refused by the parser (status 2, argparse's convention for a bad command
+line); a file or write failure is status 1; a reader that closes stdout early gets the quiet
+status of SIGPIPE (141)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bmoe.synth.tiny import TinySpec
+
+
+def bmoe(*args: str | bytes, stdout: int | None = subprocess.PIPE) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run([sys.executable, "-m", "bmoe.cli", *args], stdout=stdout, stderr=subprocess.PIPE,
+                          timeout=120)
+
+
+def one_line(proc: subprocess.CompletedProcess[bytes], status: int) -> str:
+    err = proc.stderr.decode(errors="replace")
+    assert proc.returncode == status, (proc.returncode, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bmoe: error: "), err
+    return lines[0]
+
+
+@pytest.mark.parametrize("flags", [
+    ("--cache-mb", "nan"), ("--cache-mb", "inf"), ("--cache-mb", "1e308"), ("--cache-mb", "-1"),
+    ("--cache-ceil-mb", "nan"), ("--cache-ceil-mb", "inf"), ("-t", "0"), ("-t", "nan"), ("-c", "1e9"),
+    ("-c", "99999999999"), ("-n", "0"), ("-n", "-5"), ("--io-threads", "99999999999999999999"),
+    ("--prefetch", "1000"),
+])
+def test_bad_numbers_are_refused_at_parse_time(tiny, flags: tuple[str, str]) -> None:
+    line = one_line(bmoe("run", "-m", str(tiny.path(TinySpec())), "-p", "hi", *flags), 2)
+    assert flags[0] in line
+
+
+def test_replay_budgets_must_be_finite(tmp_path: Path) -> None:
+    one_line(bmoe("replay", str(tmp_path / "t.trace"), "--cache-mb", "100,nan"), 2)
+
+
+@pytest.mark.parametrize("flag", ["--csv", "--route-trace"])
+def test_a_full_disk_under_an_output_is_one_line(tiny, flag: str) -> None:
+    line = one_line(bmoe("run", "-m", str(tiny.path(TinySpec())), "-p", "hi", "-n", "3", "-c", "256",
+                         flag, "/dev/full"), 1)
+    assert "No space left on device" in line
+
+
+def test_make_tiny_and_demo_into_unwritable_places_are_one_line(tmp_path: Path) -> None:
+    assert "/dev/full" in one_line(bmoe("make-tiny", "/dev/full"), 1)
+    one_line(bmoe("make-tiny", str(tmp_path / "missing" / "m.gguf")), 1)
+    one_line(bmoe("demo", "--dir", "/dev/full"), 1)
+
+
+def test_stdout_to_a_full_disk_is_one_line(tiny) -> None:
+    with open("/dev/full", "wb") as full:
+        line = one_line(bmoe("run", "-m", str(tiny.path(TinySpec())), "-p", "hi", "-n", "8", "-c", "256",
+                             stdout=full.fileno()), 1)
+    assert "No space left on device" in line
+
+
+def test_a_closed_pipe_ends_quietly_with_sigpipe_status(tiny) -> None:
+    r, w = os.pipe()
+    os.close(r)  # the reader is gone before the first token
+    try:
+        proc = bmoe("run", "-m", str(tiny.path(TinySpec())), "-p", "hi", "-n", "8", "-c", "256", stdout=w)
+    finally:
+        os.close(w)
+    assert proc.returncode == 141, proc.stderr
+    assert proc.stderr.strip() == b"", proc.stderr
+
+
+def test_a_prompt_that_is_not_utf8_is_accepted_with_a_warning(tiny) -> None:
+    proc = bmoe("run", "-m", str(tiny.path(TinySpec())), "-p", b"caf\xe9 \xff ok", "-n", "3", "-c", "256", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert b"not valid UTF-8" in proc.stderr
+
+
+def test_a_prompt_longer_than_the_context_is_refused_at_once_with_both_numbers(tiny) -> None:
+    prompt = "word " * 20_000  # 100 KB
+    line = one_line(bmoe("run", "-m", str(tiny.path(TinySpec())), "-p", prompt, "-n", "3", "-c", "256"), 1)
+    assert "(256)" in line and "tokens" in line
+
+
+def test_a_300_character_file_name_is_one_line(tmp_path: Path) -> None:
+    one_line(bmoe("run", "-m", str(tmp_path / ("x" * 300 + ".gguf")), "-p", "hi"), 1)
+
+
+def test_a_model_that_is_a_folder_or_unreadable_is_one_line(tmp_path: Path) -> None:
+    one_line(bmoe("run", "-m", str(tmp_path), "-p", "hi"), 1)
+    fifo = tmp_path / "fifo.gguf"
+    os.mkfifo(fifo)
+    one_line(bmoe("run", "-m", str(fifo), "-p", "hi"), 1)

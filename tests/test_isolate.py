@@ -1,0 +1,101 @@
+"""The first open of a new file runs in a child process, for real: a child that aborts inside
+llama.cpp, a child that never finishes, and the memo that makes a good file pay the check once."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from gguf import GGUFReader
+
+from bmoe.engine import isolate
+from bmoe.errors import ModelFileError
+from bmoe.io.layout import read_layout
+from bmoe.io.validate import open_layout
+from bmoe.synth.tiny import TinySpec
+
+
+@pytest.fixture(autouse=True)
+def isolation_on(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(isolate.ENV_SWITCH, "1")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def _edited(src: Path, dst: Path, key: str, value: float) -> Path:
+    shutil.copy(src, dst)
+    reader = GGUFReader(dst, "r+")
+    field = reader.fields[key]
+    field.parts[field.data[0]][0] = value
+    del reader
+    return dst
+
+
+def test_a_good_file_is_checked_once_and_again_when_it_changes(tiny, tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    shutil.copy(tiny.path(TinySpec()), path)
+    layout = read_layout(path)
+    memo = tmp_path / "memo.txt"
+    assert isolate.check_first_open(layout, memo=memo) is True  # a child ran and passed
+    assert isolate.check_first_open(layout, memo=memo) is False  # remembered
+    assert memo.read_text().count("\n") == 1
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert isolate.check_first_open(layout, memo=memo) is True  # new mtime: new bytes, new check
+
+
+def test_a_child_that_aborts_becomes_one_error_with_the_assertion(tiny, tmp_path: Path) -> None:
+    """Python's checks are bypassed (read_layout) so that llama.cpp really aborts in the child."""
+    bad = _edited(tiny.path(TinySpec()), tmp_path / "nan.gguf", "qwen3moe.attention.layer_norm_rms_epsilon", float("nan"))
+    memo = tmp_path / "memo.txt"
+    with pytest.raises(ModelFileError, match=r"SIGABRT.*GGML_ASSERT\(eps >= 0\.0f\) failed"):
+        isolate.check_first_open(read_layout(bad), memo=memo)
+    assert not memo.exists()  # a failed file is not remembered
+
+
+def test_a_child_that_never_finishes_is_killed_at_the_limit(tiny, tmp_path: Path) -> None:
+    """gemma4 with a rope over 0 dimensions decodes forever (hparams refuses it; bypassed here)."""
+    bad = _edited(tiny.path(TinySpec(arch="gemma4")), tmp_path / "spin.gguf", "gemma4.rope.dimension_count", 0)
+    with pytest.raises(ModelFileError, match="did not finish"):
+        isolate.check_first_open(read_layout(bad), timeout_s=5, memo=tmp_path / "memo.txt")
+
+
+def test_cli_run_on_a_file_that_passes_validation_but_aborts_is_one_line(tiny, tmp_path: Path) -> None:
+    """qwen2moe with a shared-expert width of 0 and no feed_forward_length: llama.cpp sizes a tensor
+    0 and asserts. Whatever catches it (a Python check or the child), the user sees one line."""
+    bad = _edited(tiny.path(TinySpec(arch="qwen2moe")), tmp_path / "shexp0.gguf",
+                  "qwen2moe.expert_shared_feed_forward_length", 0)
+    for extra in ((), ("--resident",)):
+        proc = subprocess.run(
+            [sys.executable, "-m", "bmoe.cli", "run", "-m", str(bad), "-p", "hi", "-n", "2", "-c", "256", *extra],
+            capture_output=True, text=True, timeout=60, env=os.environ.copy(),
+        )
+        assert proc.returncode == 1, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("bmoe: error: "), proc.stderr
+    try:
+        open_layout(bad)
+    except ModelFileError:
+        return  # validation learnt this case; the child is then not needed for it
+    assert "SIGABRT" in lines[0] and "GGML_ASSERT" in lines[0], lines[0]
+
+
+def test_cli_run_on_a_good_file_remembers_it(tiny, tmp_path: Path) -> None:
+    path = tiny.path(TinySpec())
+    for _ in range(2):
+        proc = subprocess.run(
+            [sys.executable, "-m", "bmoe.cli", "run", "-m", str(path), "-p", "hi", "-n", "2", "-c", "256", "--json"],
+            capture_output=True, text=True, timeout=60, env=os.environ.copy(),
+        )
+        assert proc.returncode == 0, proc.stderr
+    memo = Path(os.environ["XDG_CACHE_HOME"]) / "bmoe" / isolate.MEMO_NAME
+    assert memo.read_text().count("\n") == 1
+
+
+def test_isolation_can_be_turned_off(tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(isolate.ENV_SWITCH, "0")
+    assert isolate.check_first_open(read_layout(tiny.path(TinySpec())), memo=tmp_path / "memo.txt") is False
+    assert not (tmp_path / "memo.txt").exists()
