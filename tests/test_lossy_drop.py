@@ -105,3 +105,21 @@ def test_counters_report_drops_and_bytes_saved(tiny) -> None:
 def test_nonsense_is_refused(kw: dict, msg: str) -> None:
     with pytest.raises(ConfigError, match=msg):
         RunConfig(**kw)
+
+
+def test_levers_off_keep_the_plain_callback(tiny) -> None:
+    """Decided at construction: with no node-level lever the session gets the plain callback, so
+    the per-node path is exactly the lossless one."""
+    from bmoe.engine.callback import EvalCallback
+    from bmoe.engine.drop_cold import DropColdCallback
+    from bmoe.engine.lossy import lossy_callback
+    from bmoe.engine.route_ahead import RouteAheadCallback
+    from bmoe.io.validate import open_layout
+    from bmoe.pipeline.gate import RoutingGate
+
+    layout = open_layout(tiny.path(SPEC))
+    assert lossy_callback(RoutingGate(), layout, RunConfig(mode="stream", cache_bytes=MiB, n_expert_used=2)) is None
+    drop = lossy_callback(RoutingGate(), layout, _drop(0.5))
+    ahead = lossy_callback(RoutingGate(), layout, RunConfig(mode="stream", cache_bytes=MiB, route_ahead=1))
+    assert isinstance(drop, DropColdCallback) and isinstance(ahead, RouteAheadCallback)
+    assert isinstance(drop, EvalCallback) and isinstance(ahead, EvalCallback)
