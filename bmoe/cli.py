@@ -46,6 +46,7 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
     _prompt_flags(p)
     p.add_argument("-n", "--n-predict", type=_tokens, default=64, help="tokens to generate")
     _common_flags(p)
+    _lossy_cli(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--progress", action="store_true", help="one JSON line of metrics per token on stderr")
     p.add_argument("--csv", type=Path, default=None, help="per-token metrics CSV with a config header")
@@ -187,6 +188,21 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx", type=_ctx, default=2048, help="context length")
 
 
+def _lossy_cli(p: argparse.ArgumentParser) -> None:
+    """The opt-in lossy levers of run and chat (bmoe.engine.lossy spells them; every figure a
+    run with one reports then says lossy)."""
+    from bmoe.engine.lossy import add_lossy_flags
+
+    add_lossy_flags(p)
+
+
+def _lossy_config(args: argparse.Namespace) -> dict[str, object]:
+    """The levers' RunConfig fields; none for the commands without the flags (serve)."""
+    from bmoe.engine.lossy import lossy_fields
+
+    return lossy_fields(args) if hasattr(args, "n_expert_used") else {}
+
+
 def _chat_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="interactive multi-turn chat; the expert cache stays warm",
                        formatter_class=_Help)
@@ -196,6 +212,7 @@ def _chat_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-think", action="store_true",
                    help="ask a thinking model to answer without reasoning first (enable_thinking=false)")
     _common_flags(p)
+    _lossy_cli(p)
     _sampling_flags(p)
     _verbosity_flags(p)
     p.set_defaults(mode="stream", func=_cmd_chat)
@@ -334,12 +351,14 @@ def _config(args: argparse.Namespace) -> RunConfig:
         overlap=args.overlap,
         prefetch_layers=args.prefetch,
         predict_prefetch=args.predict_prefetch,
+        **_lossy_config(args),
     ).validate()
 
 
 async def _generate(model: Path, config: RunConfig, prompt: str, n: int, *, echo: bool,
                     progress: bool = False, csv_path: Path | None = None, sampling=None,  # noqa: ANN001
                     stop: list[str] | None = None, quiet: bool = False) -> dict:
+    from bmoe.engine.lossy import lossy_label
     from bmoe.engine.session import Session
     from bmoe.metrics.sinks import CsvSink, ProgressSink
     from bmoe.metrics.tokens import peak_rss_bytes
@@ -388,6 +407,8 @@ async def _generate(model: Path, config: RunConfig, prompt: str, n: int, *, echo
                 "io_fallback_reason": session.io_fallback_reason,
                 "budget_how": session.budget_how,
                 "open_reason": session.open_reason,
+                **lossy_label(config),
+                **session.lossy_counters(),
                 **(stats.as_dict() if stats is not None else {}),
                 "peak_rss_bytes": peak_rss_bytes(),
             }
@@ -428,7 +449,8 @@ def _summary(r: dict) -> str:
     def num(v: float | None, fmt: str) -> str:
         return "unmeasured" if v is None else format(v, fmt)
 
-    line = f"[{r['mode']}] {r['n_tokens']} tokens, {num(r['tok_per_s'], '.2f')} tok/s"
+    lossy = f" LOSSY {r['lossy_flags']}" if r.get("lossy") else ""
+    line = f"[{r['mode']}{lossy}] {r['n_tokens']} tokens, {num(r['tok_per_s'], '.2f')} tok/s"
     if r["mode"] == "stream":
         line += (
             f", experts read {r['experts_read']}, {r['bytes_read'] / MiB:.1f} MiB read"
@@ -806,6 +828,8 @@ _LAZY = {
               "write a random MoE GGUF with a real model's shapes (fast, any size)"),
     "inspect": ("bmoe.inspect", "add_inspect_command",
                 "what a model is and how it would run here, from its index alone"),
+    "quality": ("bmoe.quality", "add_quality_command",
+                "measure a lossy lever: agreement and KL vs the exact run, tok/s of both"),
     # The parser is light and lives here (it shares the run flags); starlette, uvicorn and the
     # server package are imported by _cmd_serve only.
     "serve": ("bmoe.cli", "_serve_parser", "an OpenAI-compatible HTTP server (chat and text completions)"),

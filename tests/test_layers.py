@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("stages",),
     ("engine",),
     ("synth",),
-    ("bench", "server", "inspect"),
+    ("bench", "server", "inspect", "quality"),
     ("cli",),
     ("",),  # the package root re-exports the public face
 )

@@ -8,6 +8,7 @@ check and the annotation cannot drift apart.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass
 from typing import Literal, get_args
@@ -64,6 +65,18 @@ class RunConfig:
     # Keep what the context holds between generations: a prompt that begins with the same tokens
     # evaluates only the rest (False: every prompt is evaluated from its first token).
     reuse_prompt: bool = True
+    # Lossy levers (bmoe.engine.lossy): off by default; any of them on makes the run's output a
+    # different model's, and every figure it reports says so (``lossy: true`` and the flags).
+    # Top-K experts per token instead of the file's own k (1..k, checked against the file at open).
+    n_expert_used: int | None = None
+    # Drop a routed expert that is a cache miss and weighs less than F x (1/k) of the layer's routed
+    # mass (never the top one; bmoe.engine.drop_cold). None = off; 0.0 runs the machinery, drops nothing.
+    drop_cold_experts: float | None = None
+    drop_renorm: bool = True  # survivors scaled back to the original routed mass
+    drop_prefill: bool = False  # also drop during prefill (decode only by default)
+    # Route MoE layer L from the hidden state N MoE layers earlier, its experts read N layers ahead
+    # (bmoe.engine.route_ahead). None = off; 0 installs the machinery as a passthrough.
+    route_ahead: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -101,6 +114,29 @@ class RunConfig:
             raise ConfigError("overlap applies to streamed runs: use mode='stream'")
         if self.eval_filter and self.mode != "resident":
             raise ConfigError("eval_filter measures the callback alone and needs mode='resident'")
+        self._check_lossy()
+
+    def _check_lossy(self) -> None:
+        if self.n_expert_used is not None and self.n_expert_used < 1:
+            raise ConfigError(f"n_expert_used must be at least 1, got {self.n_expert_used}")
+        f = self.drop_cold_experts
+        if f is None:
+            if not self.drop_renorm or self.drop_prefill:
+                raise ConfigError("drop_renorm / drop_prefill tune drop_cold_experts: set it too")
+        elif not (math.isfinite(f) and f >= 0):
+            raise ConfigError(f"drop_cold_experts must be a finite fraction >= 0, got {f}")
+        elif self.mode != "stream" or self.cache_bytes == 0:
+            raise ConfigError("drop_cold_experts drops cache misses: stream with a cache budget (cache_bytes)")
+        n = self.route_ahead
+        if n is not None:
+            if not 0 <= n <= 64:
+                raise ConfigError(f"route_ahead must be 0..64 MoE layers, got {n}")
+            if self.mode != "stream" or self.cache_bytes == 0:
+                raise ConfigError("route_ahead reads experts ahead into the cache: stream with a cache budget (cache_bytes)")
+            if self.prefetch_layers or self.predict_prefetch:
+                raise ConfigError("route_ahead already reads ahead: drop prefetch_layers / predict_prefetch")
+            if f is not None:
+                raise ConfigError("route_ahead and drop_cold_experts both rewrite the routing: pick one")
 
     def validate(self) -> RunConfig:
         """The config itself: it was validated when it was made (kept for callers that chain it)."""

@@ -22,8 +22,10 @@ import numpy as np
 
 from bmoe.engine.callback import Capture, Consumption, EvalCallback
 from bmoe.engine.config import RunConfig
+from bmoe.engine.drop_cold import DropColdCallback
 from bmoe.engine.isolate import check_first_open
 from bmoe.engine.loader import OpenedModel, capture_weights, open_model
+from bmoe.engine.lossy import load_overrides, lossy_callback
 from bmoe.engine.sampling import GREEDY, Sampler, SamplingParams, TokenLogprob, logprobs_of
 from bmoe.engine.seam import LlamaModel
 from bmoe.engine.stops import StopStrings
@@ -149,6 +151,8 @@ class Session:
         io_before = read_io_bytes()
         layout = open_layout(path)
         check_first_open(layout)  # a child loads a file not seen before: a llama.cpp abort kills it, not us
+        overrides = load_overrides(layout, config)  # lossy levers applied at load; a no-op when off
+        layout = overrides.layout
         if config.route_trace is not None:
             check_output(config.route_trace, "route_trace", layout.shards)
         if config.cache_profile:
@@ -156,8 +160,11 @@ class Session:
         streaming = config.mode == "stream"
         if streaming:
             check_overhead()
-        opened = open_model(layout, streaming=streaming, mode=config.open_mode if streaming else "mmap")
-        callback = EvalCallback(RoutingGate())
+        opened = open_model(
+            layout, streaming=streaming, mode=config.open_mode if streaming else "mmap", mparams=overrides.params,
+        )
+        gate = RoutingGate()
+        callback = lossy_callback(gate, layout, config) or EvalCallback(gate)
         model = LlamaModel(
             opened, n_ctx=config.n_ctx, n_threads=config.threads, callback=callback,
             install=streaming or config.eval_filter,
@@ -176,6 +183,8 @@ class Session:
                 if config.predict_prefetch:
                     predictor = Predictor(load_routers(layout), layout.n_expert_used)
                     callback.predictor = streamer.prefetch.predictor = predictor
+                if isinstance(callback, DropColdCallback):
+                    callback.drop.bind(streamer.residency.maps)
                 callback.streaming = True
                 if config.route_trace is not None:
                     recorder = RouteRecorder(config.route_trace, layout, _run_line(config, streamer))
@@ -196,6 +205,16 @@ class Session:
         if io_before is not None and io_after is not None:
             session.open_bytes_read = io_after - io_before  # the index, the model, any capture
         return session
+
+    def lossy_counters(self) -> dict[str, object]:
+        """What the lossy levers did so far this session (empty when none that counts is on)."""
+        lever = getattr(self._callback, "lever", None)
+        return lever.counters() if lever is not None else {}
+
+    def logits(self) -> np.ndarray:
+        """Scores of the last decoded position over the vocabulary: while a Piece is being
+        consumed, the scores it was drawn from (a view, valid until the next decode: copy it)."""
+        return self._live().logits()
 
     @property
     def io_mode(self) -> str | None:
@@ -255,6 +274,7 @@ class Session:
     async def stream(
         self, prompt: str | Sequence[int], max_tokens: int = 64, *, sampling: SamplingParams | None = None,
         stop: Sequence[str] | str | None = None, stop_at_end: bool = True, special: bool = False,
+        forced: Sequence[int] | None = None,
     ) -> AsyncIterator[Piece]:
         """Generate one Piece per token; the last piece of the stream carries ``finish_reason``
         and ``usage``: the last token's own piece when max_tokens or a stop string ended it, else
@@ -265,6 +285,9 @@ class Session:
         are never shown, nor anything after them; ``stop_at_end=False`` decodes through the
         model's end-of-generation tokens. ``special`` parses control-token text in the prompt (a
         chat template's markers) as tokens. A prompt may also be a list of token ids.
+        ``forced`` replaces the draw by these tokens, in order (teacher forcing: ``bmoe quality``
+        feeds a lossy run the exact run's tokens, so both score the same contexts computed the
+        same way); ``logits()`` holds the scores of the Piece being consumed.
 
         The context keeps what it last evaluated: a prompt that begins with the same tokens
         evaluates only the rest (``usage.prompt_evaluated``), with the same output a fresh session
@@ -283,6 +306,8 @@ class Session:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ConfigError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         tokens = self._prompt_tokens(prompt, special)
+        if forced is not None and len(forced) < max_tokens:
+            raise ConfigError(f"forced holds {len(forced)} tokens, fewer than max_tokens ({max_tokens})")
         if len(tokens) + max_tokens > self._model.n_ctx:
             raise ConfigError(
                 f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceed the context "
@@ -321,7 +346,7 @@ class Session:
                         finish = "cancelled"
                         break
                     logits = model.logits()
-                    token = sampler.sample(logits)
+                    token = sampler.sample(logits) if forced is None else forced[i]
                     if stop_at_end and model.is_end(token):
                         finish = "stop"
                         break

@@ -1,0 +1,139 @@
+"""Opt-in lossy levers: speed bought with exactness, off by default and labelled wherever they show.
+
+Everything else in bmoe is lossless (streamed == resident, byte for byte). A lever here changes the
+model's computation, so its output is a different model's output; ``bmoe quality`` measures how
+different, beside how much faster.
+
+``n_expert_used`` (top-K instead of the file's own k) is a key-value override of
+``<arch>.expert_used_count`` handed to llama.cpp at load (``llama_model_params.kv_overrides``, the
+public parameter; both open paths, ``llama_model_load_from_file`` and ``init_from_user``, pass it to
+the model loader, which reads every hparam through it). llama.cpp then builds each MoE layer with
+``argsort_top_k(probs, K)``, so the K highest-probability experts are used and the weight
+normalisation (where the architecture has one) runs over those K. The layout's ``n_expert_used``
+follows K, so the cache's working set and the budgets are sized for what is really read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import shlex
+from typing import Any, NoReturn
+
+from bmoe.engine.config import RunConfig
+from bmoe.engine.drop_cold import DropCold, DropColdCallback
+from bmoe.engine.route_ahead import RouteAhead, RouteAheadCallback
+from bmoe.engine.seam import llama_lib, model_params
+from bmoe.errors import ConfigError
+from bmoe.io.layout import ModelLayout
+from bmoe.io.recipes import recipe_for
+from bmoe.pipeline.gate import RoutingGate
+from bmoe.stages.predict import load_routers
+
+
+def add_lossy_flags(p: argparse.ArgumentParser) -> None:
+    """The levers' command-line flags, spelt once here so that ``lossy_flags`` (the label every
+    figure carries) and ``bmoe quality --lossy "FLAGS"`` read them the same way."""
+    g = p.add_argument_group("lossy levers (opt-in: the output is no longer the model's exact output)")
+    g.add_argument("--n-expert-used", type=int, default=None, metavar="K",
+                   help="use the top K experts per token instead of the file's own k (1..k)")
+    g.add_argument("--drop-cold-experts", type=float, default=None, metavar="F",
+                   help="at decode, skip a routed expert that is a cache miss and weighs < F/k "
+                        "(never the top one; needs a cache)")
+    g.add_argument("--drop-no-renorm", action="store_true",
+                   help="with --drop-cold-experts: keep the survivors' weights (default: renormalise)")
+    g.add_argument("--drop-prefill", action="store_true", help="with --drop-cold-experts: drop in prefill too")
+    g.add_argument("--route-ahead", type=int, default=None, metavar="N",
+                   help="route each MoE layer from the hidden state N layers earlier and read its "
+                        "experts that far ahead (needs a cache; excludes --prefetch/--predict-prefetch)")
+
+
+def lossy_fields(args: argparse.Namespace) -> dict[str, object]:
+    """The RunConfig fields the flags of ``add_lossy_flags`` set."""
+    return {
+        "n_expert_used": args.n_expert_used, "drop_cold_experts": args.drop_cold_experts,
+        "drop_renorm": not args.drop_no_renorm, "drop_prefill": args.drop_prefill,
+        "route_ahead": args.route_ahead,
+    }
+
+
+def parse_lossy(text: str) -> dict[str, object]:
+    """RunConfig fields from a flag string like ``"--n-expert-used 4"``; a bad one is a ConfigError."""
+    parser = _FlagParser(prog="--lossy", add_help=False)
+    add_lossy_flags(parser)
+    fields = lossy_fields(parser.parse_args(shlex.split(text)))
+    if all(fields[f] is None for f in ("n_expert_used", "drop_cold_experts", "route_ahead")):
+        raise ConfigError(f"--lossy {text!r} turns no lossy lever on")
+    return fields
+
+
+class _FlagParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"--lossy: {message}")
+
+
+def lossy_flags(config: RunConfig) -> list[str]:
+    """The command-line spelling of every lossy lever ``config`` turns on (empty: exact run)."""
+    flags = []
+    if config.n_expert_used is not None:
+        flags += ["--n-expert-used", str(config.n_expert_used)]
+    if config.drop_cold_experts is not None:
+        flags += ["--drop-cold-experts", f"{config.drop_cold_experts:g}"]
+        flags += [] if config.drop_renorm else ["--drop-no-renorm"]
+        flags += ["--drop-prefill"] if config.drop_prefill else []
+    if config.route_ahead is not None:
+        flags += ["--route-ahead", str(config.route_ahead)]
+    return flags
+
+
+def lossy_label(config: RunConfig) -> dict[str, object]:
+    """What every figure of a run carries: ``lossy`` and, when true, the flags that made it so."""
+    flags = lossy_flags(config)
+    return {"lossy": bool(flags), "lossy_flags": " ".join(flags) if flags else None}
+
+
+@dataclasses.dataclass
+class LoadOverrides:
+    """The layout as the levers change it, and the model params that make llama.cpp agree.
+
+    ``params`` points into ``_keep`` (the override array): keep this object alive until the
+    model is loaded."""
+
+    layout: ModelLayout
+    params: Any | None  # llama_cpp.llama_model_params, or None: load as the file says
+    _keep: list[Any] = dataclasses.field(default_factory=list, repr=False)
+
+
+def load_overrides(layout: ModelLayout, config: RunConfig) -> LoadOverrides:
+    """Apply ``config``'s load-time levers to ``layout``; a K outside 1..k is a ConfigError."""
+    k = config.n_expert_used
+    if k is None:
+        return LoadOverrides(layout, None)
+    key = recipe_for(layout.arch).key("expert_used_count")
+    if not 1 <= k <= layout.n_expert_used:
+        raise ConfigError(
+            f"n_expert_used must be 1..{layout.n_expert_used} (the file's {key}), got {k}"
+        )
+    lib = llama_lib()
+    overrides = (lib.llama_model_kv_override * 2)()  # the second, zeroed, ends the list (key[0] == 0)
+    overrides[0].key = key.encode()
+    overrides[0].tag = lib.LLAMA_KV_OVERRIDE_TYPE_INT
+    overrides[0].value.val_i64 = k
+    params = model_params()
+    params.kv_overrides = ctypes.cast(overrides, ctypes.POINTER(lib.llama_model_kv_override))
+    return LoadOverrides(dataclasses.replace(layout, n_expert_used=k), params, [overrides])
+
+
+def lossy_callback(
+    gate: RoutingGate, layout: ModelLayout, config: RunConfig,
+) -> DropColdCallback | RouteAheadCallback | None:
+    """The eval callback the node-level levers need, or None: the plain one serves (no extra test
+    per node when they are off). The config allows at most one of them."""
+    if config.route_ahead is not None:
+        routers = load_routers(layout) if config.route_ahead else {}
+        return RouteAheadCallback(gate, RouteAhead(layout, config.route_ahead, routers))
+    if config.drop_cold_experts is None:
+        return None
+    drop = DropCold(layout, config.drop_cold_experts, renorm=config.drop_renorm, prefill=config.drop_prefill)
+    return DropColdCallback(gate, drop)
