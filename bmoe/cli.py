@@ -58,7 +58,7 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-ceil-mb", type=float, default=None, help="upper bound for the budget")
     p.add_argument("--dense-weights", choices=("mmap", "anon"), default="mmap",
                    help="anon: copy dense weights into anonymous memory (safe from page-cache churn)")
-    p.add_argument("--open-mode", choices=("auto", "user", "mmap", "mmap-drop"), default="auto",
+    p.add_argument("--open-mode", choices=("auto", "user", "reserved", "mmap", "mmap-drop"), default="auto",
                    help="how a streamed model is opened (auto: the cheapest that works here)")
     p.add_argument("--route-trace", default=None, help="write every routing decision to this file")
     p.add_argument("--overlap", action="store_true",

@@ -16,7 +16,7 @@ from bmoe.errors import ConfigError
 from bmoe.pipeline.policies import POLICIES
 
 Mode = Literal["stream", "resident"]
-OpenMode = Literal["auto", "user", "mmap", "mmap-drop"]
+OpenMode = Literal["auto", "user", "reserved", "mmap", "mmap-drop"]
 DensePolicy = Literal["mmap", "anon"]
 MODES: tuple[str, ...] = get_args(Mode)
 OPEN_MODES: tuple[str, ...] = get_args(OpenMode)
