@@ -54,6 +54,10 @@ def child(path: str, mode: str, n: int, cache_mb: int, threads: int | None) -> d
         out["tokens"] = asyncio.run(go())
         stats = session.last_stats
         out["decode_tok_s"] = stats.tok_per_s if stats else None
+        out["io_mode"] = session.io_mode
+        out["read_mib_per_s"] = stats.read_mib_per_s if stats else None
+        out["bytes_read"] = stats.bytes_read if stats else None
+        out["cache_hit_pct"] = stats.cache_hit_pct if stats else None
         out["prefill_s"] = stats.prefill_s if stats else None
     out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return out
@@ -72,7 +76,8 @@ def _line(r: dict) -> str:
         f"open {r['open_s']:.2f} s, read {_num(read and read / 2**20, '.0f')} MiB = "
         f"{_num(r['open_read_over_dense'], '.2f')}x dense ({dense / 2**20:.0f} MiB), decode "
         f"{_num(r.get('decode_tok_s'), '.2f')} tok/s, peak RSS {_num(rss and rss / 2**30, '.2f')} GiB, "
-        f"tokens match: {r['tokens_match']}"
+        f"tokens match: {r['tokens_match']}; run read {_num(r.get('bytes_read') and r['bytes_read'] / 2**20, '.0f')} MiB "
+        f"at {_num(r.get('read_mib_per_s'), '.0f')} MiB/s ({r.get('io_mode')}), hit {_num(r.get('cache_hit_pct'), '.1f')} %"
     )
 
 

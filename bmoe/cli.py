@@ -60,6 +60,8 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
                    help="anon: copy dense weights into anonymous memory (safe from page-cache churn)")
     p.add_argument("--open-mode", choices=("auto", "user", "reserved", "mmap", "mmap-drop"), default="auto",
                    help="how a streamed model is opened (auto: the cheapest that works here)")
+    p.add_argument("--prefill", choices=("auto", "batch", "token", "micro"), default="auto",
+                   help="how a prompt runs: one batch, micro-batches, token by token, or auto (cost model)")
     p.add_argument("--route-trace", default=None, help="write every routing decision to this file")
     p.add_argument("--overlap", action="store_true",
                    help="read later projections while earlier expert matmuls compute (lossless)")
@@ -147,6 +149,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
         cache_ceiling_bytes=None if args.cache_ceil_mb is None else int(args.cache_ceil_mb * MiB),
         dense_weights=args.dense_weights,
         open_mode=args.open_mode,
+        prefill=getattr(args, "prefill", "auto"),
         route_trace=args.route_trace,
         overlap=args.overlap,
         prefetch_layers=args.prefetch,

@@ -22,6 +22,7 @@ import numpy as np
 from bmoe.engine.callback import Capture, Consumption, EvalCallback
 from bmoe.engine.config import RunConfig
 from bmoe.engine.loader import OpenedModel, capture_weights, open_model
+from bmoe.engine.prefill import prefill_batches
 from bmoe.engine.seam import LlamaModel
 from bmoe.engine.streaming import Streamer
 from bmoe.errors import BmoeError, ConfigError, SeamMismatchError, first_error
@@ -185,14 +186,13 @@ class Session:
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
+            batches = prefill_batches(self, tokens)  # learns from last_stats: before it moves on
             stats = self._new_stats(len(tokens))
             self.last_stats = stats
             start = self._counters()
             decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
             try:
                 self._model.clear_memory()
-                n_batch = self._model.n_batch
-                batches = [tokens[i : i + n_batch] for i in range(0, len(tokens), n_batch)]
                 if self._recorder is not None:
                     self._recorder.turn = self._generations
                 self._generations += 1
