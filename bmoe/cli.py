@@ -175,8 +175,10 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
                    help="keep the budget fixed while running (default: shrink it under memory pressure)")
     p.add_argument("--dense-weights", choices=("mmap", "anon"), default="mmap",
                    help="anon: copy dense weights into anonymous memory (safe from page-cache churn)")
-    p.add_argument("--open-mode", choices=("auto", "user", "mmap", "mmap-drop"), default="auto",
+    p.add_argument("--open-mode", choices=("auto", "user", "reserved", "mmap", "mmap-drop"), default="auto",
                    help="how a streamed model is opened (auto: the cheapest that works here)")
+    p.add_argument("--prefill", choices=("auto", "batch", "token", "micro"), default="auto",
+                   help="how a prompt runs: one batch, micro-batches, token by token, or auto (cost model)")
     p.add_argument("--route-trace", default=None, help="write every routing decision to this file")
     p.add_argument("--overlap", action="store_true",
                    help="read later projections while earlier expert matmuls compute (lossless)")
@@ -347,6 +349,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
         pressure_guard=not args.no_pressure_guard,
         dense_weights=args.dense_weights,
         open_mode=args.open_mode,
+        prefill=getattr(args, "prefill", "auto"),
         route_trace=args.route_trace,
         overlap=args.overlap,
         prefetch_layers=args.prefetch,

@@ -17,11 +17,13 @@ from bmoe.errors import ConfigError
 from bmoe.pipeline.policies import POLICIES
 
 Mode = Literal["stream", "resident"]
-OpenMode = Literal["auto", "user", "mmap", "mmap-drop"]
+OpenMode = Literal["auto", "user", "reserved", "mmap", "mmap-drop"]
 DensePolicy = Literal["mmap", "anon"]
+Prefill = Literal["auto", "batch", "token", "micro"]
 MODES: tuple[str, ...] = get_args(Mode)
 OPEN_MODES: tuple[str, ...] = get_args(OpenMode)
 DENSE_POLICIES: tuple[str, ...] = get_args(DensePolicy)
+PREFILLS: tuple[str, ...] = get_args(Prefill)
 MiB = 1 << 20
 
 
@@ -59,6 +61,9 @@ class RunConfig:
     predict_prefetch: bool = False
     # Write every routing decision to this file (route_trace v2; streamed runs only).
     route_trace: str | None = None
+    # How a prompt is run (bmoe.engine.prefill): one batch, micro-batches of 8, token by token, or
+    # auto (a cost model over what the session measured: bytes to read vs compute).
+    prefill: Prefill = "auto"
     # Resident mode only: install the eval callback that filters nodes but streams nothing, to
     # measure what the callback itself costs.
     eval_filter: bool = False
@@ -102,6 +107,8 @@ class RunConfig:
             raise ConfigError(
                 f"dense_weights must be one of {', '.join(DENSE_POLICIES)}, got {self.dense_weights!r}"
             )
+        if self.prefill not in PREFILLS:
+            raise ConfigError(f"prefill must be one of {', '.join(PREFILLS)}, got {self.prefill!r}")
         if self.route_trace is not None and self.mode != "stream":
             raise ConfigError("route traces are recorded by the streaming callback: use mode='stream'")
         if not 0 <= self.prefetch_layers <= 64:

@@ -2,7 +2,7 @@
 
 llama.cpp's plain load maps the file with ``MAP_POPULATE`` and ``WILLNEED``: opening reads the
 whole file once, experts included (a 40 GB model reads 40 GB). A streamed run needs only the
-dense bytes at open. Three open modes:
+dense bytes at open. Four open modes:
 
 ``user``
     ``llama_model_init_from_user``: llama.cpp builds the model from a gguf context (tensor types
@@ -13,6 +13,11 @@ dense bytes at open. Three open modes:
     are never written, so they cost no RAM. Reads about 1.0x the dense bytes. All tensors, experts
     included, live in one anonymous CPU allocation, which the kernel's overcommit policy may refuse
     (mode 0: one allocation larger than RAM + swap; mode 2: beyond CommitLimit - Committed_AS).
+``reserved``
+    The user open with the expert tensors placed (``tensor_buft_overrides``) in a buffer type of
+    bmoe's own over an uncommitted ``PROT_NONE`` reservation (``bmoe.engine.open_reserved``):
+    reads the same dense bytes, commits only them, so it opens models bigger than RAM + swap.
+    Streamed runs only; ``auto`` picks it where the user allocation would be refused.
 ``mmap``
     The plain load (``load_mode=1``): reads the whole file at open. For resident runs.
 ``mmap-drop``
@@ -68,6 +73,7 @@ from typing import Any
 
 import numpy as np
 
+from bmoe.engine.open_reserved import open_reserved
 from bmoe.engine.seam import forget_llama_errors, llama_lib, model_params
 from bmoe.errors import LlamaCallError, ModelFileError, SeamError, as_bmoe_error
 from bmoe.io.ggml import GGML_MAX_SRC, GgmlTensor, libggml_base
@@ -76,7 +82,7 @@ from bmoe.io.pagecache import interior_pages, madvise_range, read_io_bytes
 from bmoe.io.recipes import recipe_for
 from bmoe.pipeline.budget import read_meminfo
 
-MODES = ("user", "mmap", "mmap-drop")
+MODES = ("user", "reserved", "mmap", "mmap-drop")
 LOAD_MODE_MMAP = 1
 GGML_TYPE_F32 = 0
 _PAGE = mmap.PAGESIZE
@@ -101,6 +107,7 @@ _OUTPUT = "output.weight"
 
 _WHAT = {
     "user": "only dense bytes read",
+    "reserved": "only dense bytes read, experts in a reserved uncommitted buffer (bmoe.engine.open_reserved)",
     "mmap": "plain load, reads the whole file once",
     "mmap-drop": "plain load (reads the whole file once), expert pages dropped after capture",
 }
@@ -236,7 +243,21 @@ def choose_open_mode(
     )
     if need + margin <= limit:
         return "user", f"user allocation fits: {numbers}; only dense bytes read"
+    # The reserved open commits only the dense bytes (its expert reservation is PROT_NONE, never
+    # charged), but under RLIMIT_AS the whole reservation counts.
+    committed = need if what == "RLIMIT_AS left" else reserved_commit_bytes(layout)
+    if committed + margin <= limit:
+        return "reserved", (
+            f"user allocation would be refused: {numbers}; reserved open commits "
+            f"{committed / _GIB:.2f} GiB: {_WHAT['reserved']}"
+        )
     return "mmap-drop", f"user allocation would be refused: {numbers}; {_WHAT['mmap-drop']}"
+
+
+def reserved_commit_bytes(layout: ModelLayout) -> int:
+    """What the reserved open commits: the user allocation without the expert tensors."""
+    experts = sum(-(-et.span.nbytes // _TENSOR_ALIGN) * _TENSOR_ALIGN for et in layout.experts.values())
+    return user_alloc_bytes(layout) - experts
 
 
 # --- opening ---------------------------------------------------------------------------------
@@ -264,16 +285,24 @@ def open_model(
     params.n_gpu_layers = 0
     params.use_extra_bufts = False
     before = read_io_bytes()  # a refused user attempt's reads count too
-    if mode == "user":
+    if mode == "reserved" and not streaming:
+        raise SeamError("the reserved open holds no expert bytes: it is for streamed runs only")
+    if mode in ("user", "reserved"):
+        # The reserved open builds the model through init_from_user too: the same refusals.
         refusal = user_path_refusal(layout)
         if refusal is not None and forced:
-            raise UserPathUnsupported(f"cannot open {layout.shards[0]} with the user path: {refusal}")
+            raise UserPathUnsupported(f"cannot open {layout.shards[0]} with the {mode} path: {refusal}")
         try:
-            opened = _open_user(layout, streaming, params)
-        except UserPathUnsupported as e:
-            if forced:
+            if mode == "reserved":
+                opened = open_reserved(layout, params, _open_user)
+            else:
+                opened = _open_user(layout, streaming, params)
+        except SeamError as e:
+            # auto falls back from what cannot be built faithfully, and from a reserved open
+            # the seam refuses (a buffer-type mirror mismatch, a refused reservation).
+            if forced or (mode == "user" and not isinstance(e, UserPathUnsupported)):
                 raise
-            mode, reason = "mmap-drop", f"user path refused ({e}); {_WHAT['mmap-drop']}"
+            mode, reason = "mmap-drop", f"{mode} path refused ({e}); {_WHAT['mmap-drop']}"
         else:
             opened.open_reason = reason
             opened.open_bytes_read = _delta(before, read_io_bytes())
@@ -564,6 +593,6 @@ def capture_weights(model: Any, names: Iterable[str], *, n_threads: int = 1) -> 
 
 __all__ = [
     "MODES", "OpenedModel", "UserPathUnsupported", "capture_weights", "choose_open_mode",
-    "open_model", "read_meminfo", "read_overcommit", "user_alloc_bytes",
+    "open_model", "read_meminfo", "read_overcommit", "reserved_commit_bytes", "user_alloc_bytes",
 ]
 

@@ -26,6 +26,7 @@ from bmoe.engine.drop_cold import DropColdCallback
 from bmoe.engine.isolate import check_first_open
 from bmoe.engine.loader import OpenedModel, capture_weights, open_model
 from bmoe.engine.lossy import load_overrides, lossy_callback
+from bmoe.engine.prefill import prefill_batches
 from bmoe.engine.sampling import GREEDY, Sampler, SamplingParams, TokenLogprob, logprobs_of
 from bmoe.engine.seam import LlamaModel
 from bmoe.engine.stops import StopStrings
@@ -318,6 +319,10 @@ class Session:
         async with self._lock:
             model = self._live()
             self._cancel_requested = False
+            reused = self._reuse_prefix(tokens)
+            # The prompt's decode calls (token-wise, micro-batches or whole batches: a cost model's
+            # choice). Asked before last_stats moves on: the planner learns from the previous one.
+            batches = prefill_batches(self, tokens[reused:])
             sampler = Sampler(model.vocab, model.n_vocab, sampling, tokens)
             stats = self._new_stats(len(tokens))
             self.last_stats = stats
@@ -326,10 +331,6 @@ class Session:
             finish = "length"
             completion = 0
             try:
-                reused = self._reuse_prefix(tokens)
-                n_batch = model.n_batch
-                rest = tokens[reused:]
-                batches = [rest[i : i + n_batch] for i in range(0, len(rest), n_batch)]
                 if self._recorder is not None:
                     self._recorder.turn = self._generations
                 self._generations += 1

@@ -42,9 +42,9 @@ class AnonDense:
     ) -> None:
         self.layout = layout
         self.open_mode = open_mode
-        self.active = open_mode != "user"
+        self.active = open_mode not in ("user", "reserved")
         self.inactive_reason = (
-            None if self.active else "user open: dense weights already live in llama.cpp's anonymous buffer"
+            None if self.active else f"{open_mode} open: dense weights already live in llama.cpp's anonymous buffer"
         )
         expert_names = {et.span.name for et in layout.experts.values()}
         dense_names = [n for n in layout.tensors if n not in expert_names]

@@ -1,0 +1,148 @@
+"""Prefill strategies: how a session runs a prompt (one batch, micro-batches, or token by token).
+
+``prefill_batches(session, tokens)`` returns the prompt's decode calls as an iterator the session
+consumes one call at a time. The chunk size is forced by ``RunConfig.prefill`` or, for ``auto``,
+chosen by the cost model in ``bmoe.pipeline.prefill`` from what this session has measured: the
+engine's read rate (all reads so far), decode's hit rate and per-step compute (from the previous
+generation's stats), and a batched prefill's compute per token (timed here, around the calls of
+the prompt). The iterator does that timing itself: a call has finished when the session asks for
+the next one, so no clock or hook is added to the session. Until each term is measured, ``auto``
+runs one batch.
+
+Chunking never reads fewer bytes than one batch under one routing (see ``bmoe.pipeline.prefill``):
+what it buys is a transient union that keeps the cache budget, at the price of a per-call compute
+overhead; ``auto`` therefore runs one batch unless that batch's expected per-layer union would
+exceed the budget.
+
+Every strategy runs the same tokens through the same cache; greedy output is byte-identical to a
+resident run of the same batching (llama.cpp sums in a different order for a batch than for single
+tokens, so token-wise and batched resident runs may differ from each other: the gates compare each
+strategy with the resident run of that same strategy).
+
+State lives per session in a weak map, so a closed session takes its planner with it.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from bmoe.pipeline.prefill import Choice, LayerCache, Rates, choose
+
+
+@dataclass
+class _PrefillRecord:
+    """Counters of one prompt's calls, to take them out of the generation's totals."""
+
+    n_tokens: int
+    chunk: int
+    wall_s: float
+    blocked_s: float
+    hits: int
+    misses: int
+    bytes_read: int | None  # None when resident
+
+
+class PrefillPlanner:
+    """Measurements of one session and the choice they lead to."""
+
+    def __init__(self) -> None:
+        self.batch_token_s: float | None = None  # batched prefill compute per token
+        self.decode_compute_s: float | None = None  # one decode step's compute
+        self.hit: float | None = None  # decode's hit rate
+        self.last_choice: Choice | None = None
+        self.last_prefill: _PrefillRecord | None = None
+        self._learned_from: Any = None  # the stats object already folded in
+
+    def learn(self, stats: Any) -> None:
+        """Fold in the previous generation (``GenerationStats``) and the prefill timed for it."""
+        rec = self.last_prefill
+        if stats is None or stats is self._learned_from or rec is None:
+            return
+        self._learned_from = stats
+        steps = stats.generated_tokens - 1  # decode calls after the prompt's
+        if steps > 0 and stats.decode_s > 0:
+            blocked = max(0.0, (stats.blocked_s or 0.0) - rec.blocked_s)
+            self.decode_compute_s = max(0.0, stats.decode_s - blocked) / steps
+            if stats.cache_hits is not None and stats.experts_read is not None:
+                hits = stats.cache_hits - rec.hits
+                used = hits + stats.experts_read - rec.misses
+                if used > 0:
+                    self.hit = hits / used
+
+    def rates(self, session: Any) -> Rates:
+        streaming = session._streaming
+        read_rate = None
+        if streaming is not None:
+            c = streaming.counters()
+            if c.read_wall_s > 0 and c.bytes_read > 0:
+                read_rate = c.bytes_read / c.read_wall_s
+        return Rates.from_measurements(
+            read_bytes_per_s=read_rate, decode_compute_s=self.decode_compute_s,
+            batch_compute_s_per_token=self.batch_token_s, hit=self.hit,
+        )
+
+    def plan(self, session: Any, tokens: list[int]) -> Iterator[list[int]]:
+        self.learn(session.last_stats)
+        n_batch = session._model.n_batch
+        budget = session._streaming.cache.budget_bytes if session._streaming is not None else 0
+        choice = choose(
+            session.config.prefill, len(tokens), n_batch, _layers(session), self.rates(session), budget,
+        )
+        self.last_choice = choice
+        return self._calls(session, tokens, choice.chunk)
+
+    def _calls(self, session: Any, tokens: list[int], chunk: int) -> Iterator[list[int]]:
+        before = session._streaming.counters() if session._streaming is not None else None
+        t0 = time.perf_counter()
+        for i in range(0, len(tokens), chunk):
+            yield tokens[i : i + chunk]
+        wall = time.perf_counter() - t0
+        after = session._streaming.counters() if session._streaming is not None else None
+        d = after - before if after is not None and before is not None else None
+        rec = _PrefillRecord(
+            len(tokens), chunk, wall, d.blocked_s if d else 0.0, d.hits if d else 0, d.misses if d else 0,
+            d.bytes_read if d else None,
+        )
+        self.last_prefill = rec
+        compute = max(0.0, wall - rec.blocked_s)
+        if chunk >= len(tokens) and len(tokens) >= 8:
+            # One call over many tokens: its per-call overhead is spread thin.
+            self.batch_token_s = compute / len(tokens)
+        elif chunk == 1:
+            self.decode_compute_s = compute / len(tokens)
+
+
+def _layers(session: Any) -> list[LayerCache] | None:
+    streaming = session._streaming
+    if streaming is None:
+        return None
+    layout = session.layout
+    maps = streaming.residency.maps
+    entry = layout.entry_bytes()
+    return [
+        LayerCache(layout.n_expert, layout.n_expert_used, entry[il], int(maps[il].sum()))
+        for il in layout.moe_layers
+    ]
+
+
+_planners: weakref.WeakKeyDictionary[Any, PrefillPlanner] = weakref.WeakKeyDictionary()
+
+
+def planner_of(session: Any) -> PrefillPlanner:
+    planner = _planners.get(session)
+    if planner is None:
+        planner = _planners[session] = PrefillPlanner()
+    return planner
+
+
+def prefill_batches(session: Any, tokens: list[int]) -> Iterator[list[int]]:
+    """The prompt's decode calls for ``session`` (call it before the new generation's stats
+    replace ``session.last_stats``: the planner learns from the previous one)."""
+    return planner_of(session).plan(session, tokens)
+
+
+__all__ = ["PrefillPlanner", "planner_of", "prefill_batches"]

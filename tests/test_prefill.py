@@ -1,0 +1,157 @@
+"""Prefill strategies: each (one batch, micro-batches, token by token) streams the tokens of a resident
+run of the same batching, on every recipe, with the cache evicting during the prompt; a negative
+control shows the gate catches a skipped expert; ``auto`` chooses from measurements through the
+cost model, whose choices are checked on their own.
+
+Why "of the same batching": llama.cpp sums a batch's matmuls in a different order than single
+tokens', so a token-wise resident run is not guaranteed to match a batched one bit for bit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bmoe.engine.config import RunConfig
+from bmoe.engine.prefill import planner_of
+from bmoe.engine.session import Session
+from bmoe.errors import ConfigError
+from bmoe.pipeline.events import PHASE_PREFILL
+from bmoe.pipeline.hooks import Hooks
+from bmoe.pipeline.prefill import LayerCache, Rates, choose, distinct, fits, read_bytes
+from bmoe.synth.tiny import TinySpec
+from tests.conftest import PROMPT, generate_tokens
+
+MIB = 1 << 20
+# F32: the tiny banks are 1.5 MiB, so the smallest budget (1 MiB) evicts during the prompt.
+RECIPES = [("qwen3moe", "f32"), ("qwen2moe", "f32"), ("gemma4", "f32")]
+STRATEGIES = ["token", "micro", "batch"]
+N = 8
+
+
+def resident(path, strategy: str) -> list[int]:  # noqa: ANN001
+    return generate_tokens(path, RunConfig(mode="resident", n_ctx=256, prefill=strategy), n=N)
+
+
+def evicting(strategy: str) -> RunConfig:
+    return RunConfig(mode="stream", n_ctx=256, cache_bytes=MIB, prefill=strategy)
+
+
+def prefill_evictions() -> tuple[Hooks, list[int]]:
+    seen = [0]
+
+    def on_plan(event, plan) -> None:  # noqa: ANN001
+        if event.phase == PHASE_PREFILL:
+            seen[0] += len(plan.evictions)
+
+    return Hooks(on_plan=on_plan), seen
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("arch,wtype", RECIPES)
+def test_strategy_streams_its_resident_tokens(tiny, arch: str, wtype: str, strategy: str) -> None:
+    path = tiny.path(TinySpec(arch=arch, wtype=wtype))
+    want = resident(path, strategy)
+    assert len(set(want)) > 2, "degenerate fixture"
+    hooks, evicted = prefill_evictions()
+    assert generate_tokens(path, evicting(strategy), hooks, n=N) == want
+    if strategy != "batch":  # one call plans each layer once: nothing to evict within it
+        assert evicted[0] > 0, "the cache never evicted during the prompt: the gate would be weak"
+
+
+def test_negative_control_token_wise(tiny) -> None:
+    path = tiny.path(TinySpec(arch="qwen3moe", wtype="f32"))
+    skip = {"expert": -1}
+
+    def on_plan(event, plan) -> None:  # noqa: ANN001
+        if event.layer == 0 and event.phase == PHASE_PREFILL and skip["expert"] == -1 and plan.misses:
+            skip["expert"] = plan.misses[0]
+
+    def before_read(request) -> bool:  # noqa: ANN001
+        return not (request.key.layer == 0 and request.key.expert == skip["expert"])
+
+    got = generate_tokens(path, evicting("token"), Hooks(before_read=before_read, on_plan=on_plan), n=N)
+    assert skip["expert"] != -1
+    assert got != resident(path, "token")
+
+
+def test_auto_learns_and_keeps_resident_tokens(tiny) -> None:
+    """Turn one (nothing measured) runs one batch; turn two has every term of the cost model
+    measured and runs whatever it chose, with the resident tokens of that batching."""
+    path = tiny.path(TinySpec(arch="qwen2moe", wtype="q8_0"))
+    short = PROMPT[:12]
+
+    async def go() -> tuple[list, list]:
+        choices, outs = [], []
+        with Session.open(path, RunConfig(mode="stream", n_ctx=256, cache_bytes=64 * MIB)) as s:
+            for prompt in (PROMPT, short):
+                outs.append((await s.generate(prompt, N, stop_at_end=False)).tokens)
+                choices.append(planner_of(s).last_choice)
+        return choices, outs
+
+    (first, second), (_, out) = asyncio.run(go())
+    assert first.strategy == "batch" and first.est_s is None
+    assert second.est_s is not None, second.reason  # measured: a real choice
+    want = generate_tokens(path, RunConfig(mode="resident", n_ctx=256, prefill=second.strategy), prompt=short, n=N)
+    assert out == want
+
+
+def test_prefill_config_is_validated() -> None:
+    with pytest.raises(ConfigError, match="prefill"):
+        RunConfig(prefill="sideways")
+    assert RunConfig(prefill="token").prefill == "token"
+
+
+# --- the cost model alone ----------------------------------------------------------------------
+
+LAYERS = [LayerCache(n_expert=128, k=8, expert_bytes=1 << 20, cached=0) for _ in range(4)]
+MEASURED = Rates(read_bytes_per_s=1e9, call_s=0.05, token_s=0.002, hit=None)
+
+
+def warm(cached: int) -> list[LayerCache]:
+    return [LayerCache(l.n_expert, l.k, l.expert_bytes, cached) for l in LAYERS]
+
+
+def test_distinct_experts() -> None:
+    assert distinct(128, 8, 1) == pytest.approx(8)
+    assert distinct(128, 8, 1000) == pytest.approx(128)
+    assert distinct(128, 8, 2) < 16
+
+
+def test_forced_and_unmeasured_choices() -> None:
+    assert choose("token", 50, 512, LAYERS, MEASURED).chunk == 1
+    assert choose("micro", 50, 512, LAYERS, MEASURED).chunk == 8
+    assert choose("batch", 50, 512, LAYERS, MEASURED).chunk == 512
+    assert choose("auto", 50, 512, None, MEASURED).strategy == "batch"  # resident
+    unmeasured = choose("auto", 5, 512, warm(120), Rates(read_bytes_per_s=1e9))
+    assert unmeasured.strategy == "batch" and unmeasured.est_s is None
+    with pytest.raises(ValueError):
+        choose("sideways", 5, 512, LAYERS, MEASURED)
+
+
+@pytest.mark.parametrize("cached,hit", [(0, None), (64, None), (96, 0.9), (120, 0.5)])
+def test_chunking_never_reads_less_than_one_batch(cached: int, hit: float | None) -> None:
+    """Under one routing an expert the batch reads once, a chunked run reads at first use too."""
+    for n in (5, 50, 200):
+        batch = read_bytes(warm(cached), n, n, hit)
+        assert all(read_bytes(warm(cached), n, m, hit) >= batch for m in (1, 2, 4, 8, 16))
+
+
+def test_measured_auto_runs_one_batch_when_it_fits() -> None:
+    rates = Rates(1e9, 0.05, 0.002, hit=0.9)
+    for n in (5, 50, 1000):
+        c = choose("auto", n, 512, warm(96), rates, budget_bytes=1 << 30)
+        assert c.strategy == "batch" and c.est_s is not None, c.reason
+    assert choose("auto", 50, 512, LAYERS, Rates(1e9, 0.05, 0.002, hit=0.0)).strategy == "batch"
+
+
+def test_auto_chunks_when_one_batch_would_break_the_budget() -> None:
+    """A cold 50-token union is about 122 of 128 experts a layer (122 MiB here): a 32 MiB budget
+    holds the union of a few tokens only."""
+    rates = Rates(1e9, 0.05, 0.002, hit=0.0)
+    c = choose("auto", 50, 512, LAYERS, rates, budget_bytes=32 << 20)
+    assert c.strategy in ("token", "micro") and "exceed" in c.reason, c.reason
+    assert fits(LAYERS, c.chunk, 0.0, 32 << 20) and not fits(LAYERS, 50, 0.0, 32 << 20)
+    # The cache off (budget 0) has no budget to keep: one batch.
+    assert choose("auto", 50, 512, LAYERS, rates, budget_bytes=0).strategy == "batch"
