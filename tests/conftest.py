@@ -1,72 +1,24 @@
-"""Shared fixtures: tiny models generated once per test session into a temporary directory."""
+"""Fixtures and hooks: tiny models generated once per test session into a temporary directory, the
+first-open check off for the suite, async tests on both loops. Shared helpers live in ``helpers.py``."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
-from bmoe.engine.config import RunConfig
-from bmoe.engine.session import Session
-from bmoe.pipeline.hooks import Hooks
-from bmoe.synth.tiny import TinySpec, write_tiny
+from tests.helpers import TinyModels
 
 # The first-open check runs a child per new file: the suite's many tiny files skip it (and so do
 # the CLI subprocesses, which inherit this); tests/test_isolate.py turns it on for real.
 os.environ["BMOE_ISOLATE"] = "0"
 
-PROMPT = "Routed experts stream from the disk, token after token."  # >= 16 byte-level tokens
-N_TOKENS = 24
-
-
-class TinyModels:
-    def __init__(self, root: Path) -> None:
-        self._root = root
-        self._paths: dict[TinySpec, Path] = {}
-        self._resident: dict[Path, list[int]] = {}
-
-    def path(self, spec: TinySpec) -> Path:
-        if spec not in self._paths:
-            folder = self._root / f"m{len(self._paths)}"
-            folder.mkdir()
-            self._paths[spec] = write_tiny(folder / "tiny.gguf", spec)[0]
-        return self._paths[spec]
-
-    def resident_tokens(self, path: Path) -> list[int]:
-        if path not in self._resident:
-            self._resident[path] = generate_tokens(path, RunConfig(mode="resident", n_ctx=256))
-        return self._resident[path]
-
-
-def generate_tokens(path: Path, config: RunConfig, hooks: Hooks | None = None,
-                    prompt: str = PROMPT, n: int = N_TOKENS) -> list[int]:
-    async def go() -> list[int]:
-        with Session.open(path, config, hooks=hooks) as session:
-            return (await session.generate(prompt, n, stop_at_end=False)).tokens
-
-    return asyncio.run(go())
-
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
     return TinyModels(tmp_path_factory.mktemp("tiny"))
-
-
-def greedy_on(model, n: int, prompt: str = PROMPT):  # noqa: ANN001, ANN201
-    """Logits after ``prompt`` and ``n`` greedy tokens, straight on a seam.LlamaModel."""
-    import numpy as np
-
-    model.decode(model.tokenize(prompt))
-    first = model.logits().copy()
-    tokens = []
-    for _ in range(n):
-        tokens.append(int(np.argmax(model.logits())))
-        model.decode([tokens[-1]])
-    return first, tokens
-
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:

@@ -16,7 +16,7 @@ from bmoe.engine.session import Session
 from bmoe.engine.sync import SyncSession
 from bmoe.errors import SessionClosedError
 from bmoe.synth.tiny import TinySpec
-from tests.conftest import N_TOKENS, PROMPT
+from tests.helpers import N_TOKENS, PROMPT
 
 CONFIG = RunConfig(mode="stream", n_ctx=256)
 HANG_GUARD_S = 120  # only to turn a deadlock into a failure; nothing is timed

@@ -22,7 +22,7 @@ from bmoe.engine.session import Session
 from bmoe.io.validate import open_layout
 from bmoe.pipeline.hooks import Hooks
 from bmoe.synth.tiny import TinySpec
-from tests.conftest import N_TOKENS, PROMPT, generate_tokens
+from tests.helpers import N_TOKENS, PROMPT, generate_tokens
 from tests.test_gates_stream import assert_exact_reads, poison, skip_top_expert
 
 # One fixture per family, weight types spread over the three the gates cover. Experts of 0.2 to

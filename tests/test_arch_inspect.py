@@ -17,7 +17,7 @@ from bmoe.inspect import hit_prior, inspect_model
 from bmoe.io.recipes import RECIPES
 from bmoe.pipeline.hooks import Hooks
 from bmoe.synth.tiny import TinySpec
-from tests.conftest import PROMPT
+from tests.helpers import PROMPT
 from tests.test_arch_gates import SPECS
 
 FIXTURES = {**SPECS, "qwen3moe": TinySpec(), "qwen2moe": TinySpec(arch="qwen2moe"), "gemma4": TinySpec(arch="gemma4")}

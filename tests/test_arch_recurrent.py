@@ -15,7 +15,7 @@ from bmoe.engine.session import Session
 from bmoe.errors import ReadError
 from bmoe.io.recipes import RECIPES
 from bmoe.pipeline.hooks import Hooks
-from tests.conftest import N_TOKENS, PROMPT
+from tests.helpers import N_TOKENS, PROMPT
 from tests.test_arch_gates import SPECS
 
 HYBRID = [a for a in SPECS if RECIPES[a].recurrent]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bmoe.synth.tiny import TinySpec
-from tests.conftest import PROMPT
+from tests.helpers import PROMPT
 
 
 def bmoe(*args: str) -> subprocess.CompletedProcess[str]:

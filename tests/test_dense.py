@@ -17,7 +17,7 @@ from bmoe.io.regions import resident_bytes_of
 from bmoe.pipeline.gate import RoutingGate
 from bmoe.stages.dense import ALIGN, AnonDense
 from bmoe.synth.tiny import TinySpec, write_tiny
-from tests.conftest import greedy_on
+from tests.helpers import greedy_on
 
 PROMPT = "Routed experts stream from the disk, token after token."
 

@@ -28,7 +28,7 @@ from bmoe.engine.session import Session
 from bmoe.errors import ReadError
 from bmoe.pipeline.hooks import Hooks
 from bmoe.synth.tiny import TinySpec
-from tests.conftest import PROMPT
+from tests.helpers import PROMPT
 
 N = 12
 CONFIGS = {

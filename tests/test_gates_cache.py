@@ -16,7 +16,7 @@ from bmoe.metrics.sinks import read_csv
 from bmoe.errors import BudgetError
 from bmoe.pipeline.hooks import Hooks
 from bmoe.synth.tiny import TinySpec
-from tests.conftest import N_TOKENS, PROMPT
+from tests.helpers import N_TOKENS, PROMPT
 
 # Experts of ~0.8 MB (f32) or ~0.2 MB (q8_0): a 1 MiB budget evicts within every token.
 BIG_EXPERTS = TinySpec(n_embd=256, n_ff=256, n_layer=3)

@@ -11,7 +11,7 @@ from bmoe.engine.config import RunConfig
 from bmoe.engine.session import Session
 from bmoe.io.pagecache import evict_file_cache
 from bmoe.synth.tiny import TinySpec
-from tests.conftest import PROMPT, generate_tokens
+from tests.helpers import PROMPT, generate_tokens
 
 CASES = [("qwen3moe", "f32"), ("qwen2moe", "q8_0"), ("gemma4", "f16")]
 

@@ -12,7 +12,7 @@ from bmoe.engine.session import Session
 from bmoe.errors import ReadError
 from bmoe.pipeline.hooks import Hooks
 from bmoe.synth.tiny import TinySpec
-from tests.conftest import N_TOKENS, PROMPT, generate_tokens
+from tests.helpers import N_TOKENS, PROMPT, generate_tokens
 
 
 @pytest.mark.parametrize("arch,wtype", [("qwen3moe", "f32"), ("qwen2moe", "q8_0"), ("gemma4", "f16")])

@@ -19,7 +19,7 @@ from bmoe.pipeline.readiness import ReadinessBoard
 from bmoe.stages.bind import SimResidency
 from bmoe.stages.prefetch import PrefetchStage
 from bmoe.synth.tiny import TinySpec
-from tests.conftest import N_TOKENS, PROMPT
+from tests.helpers import N_TOKENS, PROMPT
 
 SPEC = TinySpec(n_embd=256, n_ff=256, n_layer=4)
 BUDGET = 4 * MiB  # five experts of 0.75 MiB: tight enough to evict, room to read ahead

@@ -13,7 +13,7 @@ import pytest
 from bmoe.engine.config import RunConfig
 from bmoe.pipeline.hooks import Hooks
 from bmoe.synth.tiny import TinySpec
-from tests.conftest import N_TOKENS, generate_tokens
+from tests.helpers import N_TOKENS, generate_tokens
 
 ARCHS = ("qwen3moe", "qwen2moe", "gemma4")
 TYPES = ("f32", "f16", "q8_0")

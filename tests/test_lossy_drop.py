@@ -12,7 +12,7 @@ from bmoe.engine.config import MiB, RunConfig
 from bmoe.engine.drop_cold import choose_drops
 from bmoe.errors import ConfigError
 from bmoe.synth.tiny import TinySpec
-from tests.conftest import generate_tokens
+from tests.helpers import generate_tokens
 from tests.test_lossy_topk import SPEC
 
 

@@ -13,7 +13,7 @@ from bmoe.engine.route_ahead import top_k_rows
 from bmoe.errors import ConfigError
 from bmoe.pipeline.hooks import Hooks
 from bmoe.synth.tiny import TinySpec
-from tests.conftest import generate_tokens
+from tests.helpers import generate_tokens
 
 SPEC4 = TinySpec(arch="qwen3moe", n_layer=4, n_expert=8, n_expert_used=2)
 

@@ -10,7 +10,7 @@ from bmoe.engine.config import RunConfig
 from bmoe.engine.session import Session
 from bmoe.errors import ConfigError
 from bmoe.synth.tiny import TinySpec
-from tests.conftest import generate_tokens
+from tests.helpers import generate_tokens
 
 SPEC = TinySpec(arch="qwen3moe", wtype="f32", n_expert=8, n_expert_used=4)
 

@@ -35,7 +35,7 @@ from bmoe.pipeline.gate import RoutingGate
 from bmoe.stages.bind import Residency
 from bmoe.synth import tiny as tiny_mod
 from bmoe.synth.tiny import TinySpec, write_tiny
-from tests.conftest import greedy_on
+from tests.helpers import greedy_on
 
 PROMPT = "Routed experts stream from the disk, token after token."  # ~20 byte-level tokens
 N_TOKENS = 16

@@ -35,7 +35,7 @@ from bmoe.io.pagecache import evict_file_cache, read_io_bytes
 from bmoe.io.regions import resident_bytes_of
 from bmoe.pipeline.hooks import Hooks
 from bmoe.synth.tiny import TinySpec, write_tiny
-from tests.conftest import generate_tokens
+from tests.helpers import generate_tokens
 
 GIB = 1 << 30
 MIB = 1 << 20

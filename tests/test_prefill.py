@@ -21,7 +21,7 @@ from bmoe.pipeline.events import PHASE_PREFILL
 from bmoe.pipeline.hooks import Hooks
 from bmoe.pipeline.prefill import LayerCache, Rates, choose, distinct, fits, read_bytes
 from bmoe.synth.tiny import TinySpec
-from tests.conftest import PROMPT, generate_tokens
+from tests.helpers import PROMPT, generate_tokens
 
 MIB = 1 << 20
 # F32: the tiny banks are 1.5 MiB, so the smallest budget (1 MiB) evicts during the prompt.

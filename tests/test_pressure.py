@@ -25,7 +25,7 @@ from bmoe.pipeline.pressure import (
     parse_psi,
 )
 from bmoe.synth.tiny import TinySpec
-from tests.conftest import N_TOKENS, PROMPT
+from tests.helpers import N_TOKENS, PROMPT
 
 GiB = 1 << 30
 S = GuardSettings(low=1 * GiB, high=1536 * MiB, cooldown_s=10.0, grow_step=512 * MiB)

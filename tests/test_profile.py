@@ -15,7 +15,7 @@ from bmoe.pipeline.cache import ExpertCache
 from bmoe.pipeline.policies import AdaptiveReusePolicy
 from bmoe.pipeline.profile import load_profile, save_profile
 from bmoe.synth.tiny import TinySpec
-from tests.conftest import generate_tokens
+from tests.helpers import generate_tokens
 
 SPEC = TinySpec(n_embd=256, n_ff=256, n_layer=3)
 

@@ -18,7 +18,7 @@ from bmoe.engine.session import Session
 from bmoe.io.validate import open_layout
 from bmoe.pipeline.trace import read_trace
 from bmoe.synth.tiny import TinySpec, write_tiny
-from tests.conftest import N_TOKENS, PROMPT
+from tests.helpers import N_TOKENS, PROMPT
 
 SPEC = TinySpec(n_embd=256, n_ff=256, n_layer=3)
 BUDGET = 2 * MiB

@@ -19,7 +19,7 @@ from bmoe.engine.session import Generation, Session
 from bmoe.engine.stops import StopStrings
 from bmoe.errors import ConfigError
 from bmoe.synth.tiny import TinySpec
-from tests.conftest import PROMPT
+from tests.helpers import PROMPT
 from tests.test_gates_stream import skip_top_expert
 
 RESIDENT = RunConfig(mode="resident", n_ctx=256)

@@ -12,7 +12,7 @@ from bmoe.engine.sync import SyncSession
 from bmoe.errors import BmoeError, ReadError
 from bmoe.pipeline.hooks import Hooks
 from bmoe.synth.tiny import TinySpec
-from tests.conftest import N_TOKENS, PROMPT
+from tests.helpers import N_TOKENS, PROMPT
 
 CONFIG = RunConfig(mode="stream", n_ctx=256)
 

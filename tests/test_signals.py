@@ -15,7 +15,7 @@ import pytest
 from bmoe.metrics.sinks import read_csv
 from bmoe.pipeline.trace import read_trace
 from bmoe.synth.tiny import TinySpec
-from tests.conftest import PROMPT
+from tests.helpers import PROMPT
 
 
 def _rows(path: Path) -> int:

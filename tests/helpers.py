@@ -1,0 +1,57 @@
+"""Helpers the tests share: the prompt and length every gate uses, tiny models written once per
+session, and the two ways a gate produces tokens (a Session, or a bare seam.LlamaModel). Fixtures and
+pytest hooks stay in ``conftest.py``; this is a plain module so tests import it by name."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from bmoe.engine.config import RunConfig
+from bmoe.engine.session import Session
+from bmoe.pipeline.hooks import Hooks
+from bmoe.synth.tiny import TinySpec, write_tiny
+
+PROMPT = "Routed experts stream from the disk, token after token."  # >= 16 byte-level tokens
+N_TOKENS = 24
+
+
+class TinyModels:
+    def __init__(self, root: Path) -> None:
+        self._root = root
+        self._paths: dict[TinySpec, Path] = {}
+        self._resident: dict[Path, list[int]] = {}
+
+    def path(self, spec: TinySpec) -> Path:
+        if spec not in self._paths:
+            folder = self._root / f"m{len(self._paths)}"
+            folder.mkdir()
+            self._paths[spec] = write_tiny(folder / "tiny.gguf", spec)[0]
+        return self._paths[spec]
+
+    def resident_tokens(self, path: Path) -> list[int]:
+        if path not in self._resident:
+            self._resident[path] = generate_tokens(path, RunConfig(mode="resident", n_ctx=256))
+        return self._resident[path]
+
+
+def generate_tokens(path: Path, config: RunConfig, hooks: Hooks | None = None,
+                    prompt: str = PROMPT, n: int = N_TOKENS) -> list[int]:
+    async def go() -> list[int]:
+        with Session.open(path, config, hooks=hooks) as session:
+            return (await session.generate(prompt, n, stop_at_end=False)).tokens
+
+    return asyncio.run(go())
+
+
+def greedy_on(model, n: int, prompt: str = PROMPT):  # noqa: ANN001, ANN201
+    """Logits after ``prompt`` and ``n`` greedy tokens, straight on a seam.LlamaModel."""
+    import numpy as np
+
+    model.decode(model.tokenize(prompt))
+    first = model.logits().copy()
+    tokens = []
+    for _ in range(n):
+        tokens.append(int(np.argmax(model.logits())))
+        model.decode([tokens[-1]])
+    return first, tokens
