@@ -1,5 +1,6 @@
-"""The ``bmoe`` command line, the application layer: run, chat, replay, demo, bench, synth and
-make-tiny (bench and synth, heavy to import, are registered only when named).
+"""The ``bmoe`` command line, the application layer: run, chat, serve, replay, demo, make-tiny, and
+the heavy ones (bench, synth, inspect, quality) whose parsers load only when the command line names
+them (``_LAZY``), so ``bmoe --help`` and ``bmoe run`` import no bench harness or gguf writer.
 
 Every bmoe error ends as one line on stderr and exit status 1; no traceback reaches a user for a
 bad file or flag. Text goes to stdout as it is generated; summaries go to stderr (or, with
