@@ -26,12 +26,12 @@ _PUBLIC = {
 
 __all__ = ["__version__", *_PUBLIC]
 
-if TYPE_CHECKING:
-    from bmoe.engine.config import RunConfig
-    from bmoe.engine.sampling import SamplingParams
-    from bmoe.engine.session import Generation, Piece, Session, Usage
-    from bmoe.engine.sync import SyncSession
-    from bmoe.errors import BmoeError, SessionClosedError
+if TYPE_CHECKING:  # what type checkers see of the lazy public face below
+    from bmoe.engine.config import RunConfig  # noqa: F401
+    from bmoe.engine.sampling import SamplingParams  # noqa: F401
+    from bmoe.engine.session import Generation, Piece, Session, Usage  # noqa: F401
+    from bmoe.engine.sync import SyncSession  # noqa: F401
+    from bmoe.errors import BmoeError, SessionClosedError  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("synth",),
     ("bench", "server", "inspect", "quality"),
     ("cli",),
-    ("",),  # the package root re-exports the public face
+    ("", "__main__"),  # the package root re-exports the public face; python -m bmoe runs the cli
 )
 RANK = {name: i for i, group in enumerate(LAYERS) for name in group}
 
