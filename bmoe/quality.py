@@ -20,7 +20,6 @@ the computation, not how much real text quality it costs.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 from dataclasses import dataclass, field, replace

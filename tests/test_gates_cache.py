@@ -12,8 +12,8 @@ import pytest
 
 from bmoe.engine.config import MiB, RunConfig
 from bmoe.engine.session import Session
-from bmoe.metrics.sinks import read_csv
 from bmoe.errors import BudgetError
+from bmoe.metrics.sinks import read_csv
 from bmoe.pipeline.hooks import Hooks
 from bmoe.synth.tiny import TinySpec
 from tests.helpers import N_TOKENS, PROMPT

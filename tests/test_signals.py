@@ -3,7 +3,6 @@ and its summary line, the route trace is complete, and the status says which sig
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys

@@ -16,7 +16,8 @@ from bmoe.engine.seam import LlamaModel
 from bmoe.errors import ConfigError
 from bmoe.io.layout import read_layout
 from bmoe.pipeline.gate import RoutingGate
-from bmoe.synth.tiny import CORE_ARCHS as ARCHS, TinySpec, write_tiny  # the families: test_arch_gates
+from bmoe.synth.tiny import CORE_ARCHS as ARCHS  # the families: test_arch_gates
+from bmoe.synth.tiny import TinySpec, write_tiny
 from bmoe.synth.vocab import BOS_ID, CONTROL_IDS, EOS_ID, byte_vocab
 
 llama_cpp = pytest.importorskip("llama_cpp")

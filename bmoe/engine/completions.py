@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from contextlib import aclosing
 from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import aclosing
 from typing import Any
 
 from bmoe.engine.chat import Message
