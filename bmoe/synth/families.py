@@ -110,6 +110,18 @@ def _nextn(b: _Builder, p: str) -> None:
     b.ones(p + "nextn.hnorm.weight", E)
 
 
+def _lead_or_moe_ffn(b: _Builder, p: str, il: int, shared_width: int | None, probs_bias: bool = True) -> None:
+    """The FFN of a family with leading dense blocks: a dense FFN below ``dense_lead``, else the
+    router, the routed experts and (``shared_width`` not None) a shared expert of that width."""
+    if il < b.dense_lead:
+        _dense_ffn(b, p, b.F_dense)
+        return
+    _router(b, p, probs_bias=probs_bias)
+    b.experts(p)
+    if shared_width is not None:
+        _shexp(b, p, shared_width)
+
+
 def _is_mtp(b: _Builder, il: int) -> bool:
     return il >= b.spec.n_layer
 
@@ -151,12 +163,7 @@ def _glm4moe_layer(b: _Builder, il: int) -> None:
     b.ones(p + "attn_norm.weight", E)
     _attn(b, p)
     b.ones(p + "post_attention_norm.weight", E)
-    if il < b.dense_lead:
-        _dense_ffn(b, p, b.F_dense)
-    else:
-        _router(b, p, probs_bias=True)
-        b.experts(p)
-        _shexp(b, p, b.F * b.x["n_shared"])
+    _lead_or_moe_ffn(b, p, il, b.F * b.x["n_shared"])
     if _is_mtp(b, il):
         _nextn(b, p)
 
@@ -177,12 +184,7 @@ def _bailing_layer(b: _Builder, il: int) -> None:
     b.ones(p + "attn_q_norm.weight", b.hd)
     b.ones(p + "attn_k_norm.weight", b.hd)
     b.ones(p + "ffn_norm.weight", E)
-    if il < b.dense_lead:
-        _dense_ffn(b, p, b.F_dense)
-    else:
-        _router(b, p, probs_bias=True)
-        b.experts(p)
-        _shexp(b, p, b.F)
+    _lead_or_moe_ffn(b, p, il, b.F)
     if _is_mtp(b, il):
         _nextn(b, p)
         b.ones(p + "layer_output_norm.weight", E)
@@ -219,12 +221,7 @@ def _deepseek2_layer(b: _Builder, il: int) -> None:
     b.mat(p + "attn_v_b.weight", (H, v, kv_rank), kv_rank ** -0.5)
     b.mat(p + "attn_output.weight", (E, H * v), (H * v) ** -0.5)
     b.ones(p + "ffn_norm.weight", E)
-    if il < b.dense_lead:
-        _dense_ffn(b, p, b.F_dense)
-    else:
-        _router(b, p, probs_bias=True)
-        b.experts(p)
-        _shexp(b, p, b.F * b.x["n_shared"])
+    _lead_or_moe_ffn(b, p, il, b.F * b.x["n_shared"])
     if _is_mtp(b, il):
         _nextn(b, p)
 
@@ -394,11 +391,7 @@ def _lfm2_attention(b: _Builder, il: int) -> bool:
 def _lfm2_layer(b: _Builder, il: int) -> None:
     p, E = f"blk.{il}.", b.E
     b.ones(p + "ffn_norm.weight", E)
-    if il < b.dense_lead:
-        _dense_ffn(b, p, b.F_dense)
-    else:
-        _router(b, p, probs_bias=True)
-        b.experts(p)
+    _lead_or_moe_ffn(b, p, il, None)
     b.ones(p + "attn_norm.weight", E)
     if _lfm2_attention(b, il):
         b.ones(p + "attn_q_norm.weight", b.hd)
@@ -434,12 +427,7 @@ def _dots1_layer(b: _Builder, il: int) -> None:
     b.ones(p + "attn_norm.weight", E)
     _attn(b, p)  # k and v are as wide as q on this arch (head_count_kv = head_count)
     b.ones(p + "ffn_norm.weight", E)
-    if il < b.dense_lead:
-        _dense_ffn(b, p, b.F_dense)
-    else:
-        _router(b, p, probs_bias=True)
-        b.experts(p)
-        _shexp(b, p, b.F * b.x["n_shared"])
+    _lead_or_moe_ffn(b, p, il, b.F * b.x["n_shared"])
 
 
 def _dots1_keys(w: GGUFWriter, b: _Builder) -> None:
@@ -477,12 +465,7 @@ def _ernie_layer(b: _Builder, il: int) -> None:
     b.ones(p + "attn_norm.weight", E)
     _attn(b, p, norms=False)
     b.ones(p + "ffn_norm.weight", E)
-    if il < b.dense_lead:
-        _dense_ffn(b, p, b.F_dense)
-    else:
-        _router(b, p, probs_bias=True)
-        b.experts(p)
-        _shexp(b, p, b.F_shexp)
+    _lead_or_moe_ffn(b, p, il, b.F_shexp)
 
 
 def _ernie_keys(w: GGUFWriter, b: _Builder) -> None:
