@@ -251,7 +251,9 @@ class ExpectedReusePolicy:
         self._cycle = float(len(entry_bytes))
         self._measure_memory()
 
-    def routed(self, layer: int, experts: tuple[int, ...], ranks: tuple[int, ...] | None = None) -> None:
+    def _arrive(self, layer: int, experts: tuple[int, ...]) -> tuple[_Layer, np.ndarray]:
+        """What every routing event starts with: settle the previous one, advance the clock, and
+        return the layer's state and the routed ids (the tables grown to hold them)."""
         self._flush()
         self._pos += 1
         st = self._layer(layer)
@@ -259,6 +261,10 @@ class ExpectedReusePolicy:
         if ids.size:
             self._fit(int(ids.max()) + 1)
             self._min_routed = min(self._min_routed, ids.size)
+        return st, ids
+
+    def routed(self, layer: int, experts: tuple[int, ...], ranks: tuple[int, ...] | None = None) -> None:
+        st, ids = self._arrive(layer, experts)
         st.rates *= self._KEEP
         if ids.size:
             st.rates[:, ids] += self._GAIN * min(1.0, self._min_routed / ids.size)
@@ -470,13 +476,7 @@ class AdaptiveReusePolicy(ExpectedReusePolicy):
         self._guard = (self.memory_steps or 0.0) >= 1.0 and self._guarded.score > self._free.score
 
     def routed(self, layer: int, experts: tuple[int, ...], ranks: tuple[int, ...] | None = None) -> None:
-        self._flush()
-        self._pos += 1
-        st = self._layer(layer)
-        ids = np.fromiter(experts, dtype=np.intp, count=len(experts))
-        if ids.size:
-            self._fit(int(ids.max()) + 1)
-            self._min_routed = min(self._min_routed, ids.size)
+        st, ids = self._arrive(layer, experts)
         n = self._order.shape[1]
         mix = self._mix.get(layer)
         if mix is None:
