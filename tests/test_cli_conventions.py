@@ -20,6 +20,8 @@ def bmoe(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
 def test_version() -> None:
     r = bmoe("--version")
     assert r.returncode == 0 and r.stdout.startswith("bmoe ") and "llama-cpp-python" in r.stdout
+    m = subprocess.run([sys.executable, "-m", "bmoe", "--version"], capture_output=True, text=True, timeout=GUARD_S)
+    assert (m.returncode, m.stdout) == (0, r.stdout), "python -m bmoe is the same command line"
 
 
 def test_prompt_from_stdin_and_file_give_the_same_run(tiny, tmp_path) -> None:
