@@ -255,8 +255,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config = _config(args)
     from bmoe.server.run import serve
 
-    serve(args.model, config, host=args.host, port=args.port, api_key=args.api_key or None,
-          max_waiting=args.queue, quiet=args.quiet)
+    stopped_by = serve(args.model, config, host=args.host, port=args.port, api_key=args.api_key or None,
+                       max_waiting=args.queue, quiet=args.quiet)
+    if stopped_by is not None:
+        raise Interrupted(stopped_by)  # the session is closed and its route trace written
     return 0
 
 
@@ -892,7 +894,10 @@ def _lazy_parsers(sub: argparse._SubParsersAction, argv: list[str]) -> None:
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, register, help_) in _LAZY.items():
         if name == chosen:
-            getattr(importlib.import_module(module), register)(sub)
+            # This module's own entries come from this very module: run as ``python -m bmoe.cli``
+            # it is ``__main__``, and a second copy would raise exceptions its main() cannot know.
+            here = module == __spec__.name if __spec__ is not None else False
+            getattr(sys.modules[__name__] if here else importlib.import_module(module), register)(sub)
         else:
             sub.add_parser(name, help=help_, add_help=False)
 

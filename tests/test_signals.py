@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from bmoe.metrics.sinks import read_csv
@@ -89,3 +90,26 @@ def test_a_signal_while_a_piped_chat_waits_for_a_line_ends_it(tiny, sig: int) ->
         proc.stdin.close()
     assert proc.returncode == 128 + sig, err
     assert "Traceback" not in err and err.strip().startswith("bmoe: interrupted by"), err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_signal_stops_the_server_after_its_route_trace_is_written(tiny, tmp_path: Path, sig: int) -> None:
+    """uvicorn re-raised SIGTERM after its graceful shutdown and SIGHUP was not handled: either
+    killed ``bmoe serve`` before the session closed, leaving the route trace empty."""
+    trace_path = tmp_path / "serve.trace"
+    proc = subprocess.Popen([sys.executable, "-m", "bmoe.cli", "serve", "-m", str(tiny.path(TinySpec())), "--port", "0",
+                             "-c", "256", "--route-trace", str(trace_path)], stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    try:
+        url = proc.stderr.readline().split()[-1]
+        body = httpx.post(f"{url}/completions", json={"prompt": PROMPT, "max_tokens": 5}, timeout=120).json()
+        assert body["usage"]["completion_tokens"] == 5
+        proc.send_signal(sig)
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + sig, err
+    assert err.strip().splitlines()[-1].startswith("bmoe: interrupted by"), err
+    assert read_trace(trace_path).n_layer == 2
