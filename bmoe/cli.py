@@ -256,8 +256,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config = _config(args)
     from bmoe.server.run import serve
 
-    serve(args.model, config, host=args.host, port=args.port, api_key=args.api_key or None,
-          max_waiting=args.queue, quiet=args.quiet)
+    stopped_by = serve(args.model, config, host=args.host, port=args.port, api_key=args.api_key or None,
+                       max_waiting=args.queue, quiet=args.quiet)
+    if stopped_by is not None:
+        raise Interrupted(stopped_by)  # the session is closed and its route trace written
     return 0
 
 
@@ -619,15 +621,50 @@ def _line_reader():  # noqa: ANN202 - async (prompt) -> line; raises EOFError / 
 
         return edited
 
+    lines = _StdinLines()
+
     async def plain(prompt: str) -> str:
         prompt_to.write(prompt)
         prompt_to.flush()
-        line = await asyncio.to_thread(sys.stdin.buffer.readline)
+        line = await lines.readline()
         if not line:
             raise EOFError
         return line.decode("utf-8", errors="replace").rstrip("\n")
 
     return plain
+
+
+class _StdinLines:
+    """Lines of standard input, waited for on the event loop: a pipe that stays open (a script
+    feeding the chat) must not hold the process after a stop signal, as a thread blocked in
+    ``readline`` did (the interpreter joins it at exit). What the loop cannot watch (a regular
+    file, /dev/null) never blocks, and is read in a thread."""
+
+    def __init__(self) -> None:
+        self._fd = 0
+        self._buf = b""
+        self._eof = False
+
+    async def readline(self) -> bytes:
+        while b"\n" not in self._buf and not self._eof:
+            chunk = await self._read()
+            self._eof = not chunk
+            self._buf += chunk
+        line, nl, self._buf = self._buf.partition(b"\n")
+        return line + nl
+
+    async def _read(self) -> bytes:
+        loop = asyncio.get_running_loop()
+        ready = loop.create_future()
+        try:
+            loop.add_reader(self._fd, lambda: ready.done() or ready.set_result(None))
+        except (OSError, ValueError):  # not pollable: a regular file or /dev/null, which never waits
+            return await asyncio.to_thread(os.read, self._fd, 1 << 16)
+        try:
+            await ready
+        finally:
+            loop.remove_reader(self._fd)
+        return os.read(self._fd, 1 << 16)
 
 
 def _fit(session, fmt, history, n: int, template_kwargs: dict | None = None) -> str:  # noqa: ANN001
@@ -858,7 +895,10 @@ def _lazy_parsers(sub: argparse._SubParsersAction, argv: list[str]) -> None:
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, register, help_) in _LAZY.items():
         if name == chosen:
-            getattr(importlib.import_module(module), register)(sub)
+            # This module's own entries come from this very module: run as ``python -m bmoe.cli``
+            # it is ``__main__``, and a second copy would raise exceptions its main() cannot know.
+            here = module == __spec__.name if __spec__ is not None else False
+            getattr(sys.modules[__name__] if here else importlib.import_module(module), register)(sub)
         else:
             sub.add_parser(name, help=help_, add_help=False)
 
@@ -986,8 +1026,28 @@ def _os_error_line(exc: OSError) -> str:
     return f"{where}{exc.strerror or exc}"
 
 
+def _standard_streams() -> None:
+    """Put /dev/null behind a standard descriptor the caller closed (``0<&-``, ``>&-``): otherwise
+    the next file opened takes its number, and libuv (uvloop) aborts the process when it closes a
+    descriptor below 3. Input then reads as empty, output goes nowhere, as a daemon's would."""
+    for fd, mode in ((0, "r"), (1, "w"), (2, "w")):
+        try:
+            os.fstat(fd)
+            continue
+        except OSError:
+            pass
+        null = os.open(os.devnull, os.O_RDWR)
+        if null != fd:
+            os.dup2(null, fd)
+            os.close(null)
+        name = ("stdin", "stdout", "stderr")[fd]
+        if getattr(sys, name) is None:  # Python found it closed at startup
+            setattr(sys, name, open(fd, mode, closefd=False))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    _standard_streams()
     try:
         args = build_parser(argv).parse_args(argv)
         _apply_verbosity(args)

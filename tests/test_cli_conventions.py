@@ -20,6 +20,8 @@ def bmoe(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
 def test_version() -> None:
     r = bmoe("--version")
     assert r.returncode == 0 and r.stdout.startswith("bmoe ") and "llama-cpp-python" in r.stdout
+    m = subprocess.run([sys.executable, "-m", "bmoe", "--version"], capture_output=True, text=True, timeout=GUARD_S)
+    assert (m.returncode, m.stdout) == (0, r.stdout), "python -m bmoe is the same command line"
 
 
 def test_prompt_from_stdin_and_file_give_the_same_run(tiny, tmp_path) -> None:
@@ -72,3 +74,13 @@ def test_a_flag_that_does_nothing_is_said(tiny) -> None:
     path = tiny.path(TinySpec())
     r = bmoe("run", "-m", str(path), "-p", "x", "-n", "2", "--resident", "--cache-mb", "64")
     assert r.returncode == 0 and "--cache-mb does nothing with --resident" in r.stderr
+
+
+def test_verbose_shows_llama_cpp_log_and_the_default_does_not(tiny) -> None:
+    path = tiny.path(TinySpec())
+    loud = bmoe("run", "-m", str(path), "-p", "x", "-n", "2", "-v")
+    plain = bmoe("run", "-m", str(path), "-p", "x", "-n", "2")
+    before = bmoe("-v", "run", "-m", str(path), "-p", "x", "-n", "2")  # -v before the command too
+    assert loud.returncode == plain.returncode == before.returncode == 0, (loud.stderr, plain.stderr)
+    assert "llama_model_loader" in loud.stderr and "llama_model_loader" in before.stderr
+    assert "llama_" not in plain.stderr and plain.stdout == loud.stdout

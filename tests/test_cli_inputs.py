@@ -96,3 +96,14 @@ def test_a_model_that_is_a_folder_or_unreadable_is_one_line(tmp_path: Path) -> N
     fifo = tmp_path / "fifo.gguf"
     os.mkfifo(fifo)
     one_line(bmoe("run", "-m", str(fifo), "-p", "hi"), 1)
+
+
+@pytest.mark.parametrize("fd", [0, 1, 2])
+def test_a_closed_standard_descriptor_is_no_signal(tiny, fd: int) -> None:
+    """``0<&-``, ``>&-`` or ``2>&-``: the next file opened took the free number and libuv aborted
+    the process when it closed it (SIGABRT); the missing stream is now /dev/null."""
+    proc = subprocess.run([sys.executable, "-m", "bmoe.cli", "run", "-m", str(tiny.path(TinySpec())), "-p", "-",
+                           "-n", "3", "-c", "256"], stdin=subprocess.DEVNULL, capture_output=True,
+                          preexec_fn=lambda: os.close(fd), timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr)
+    assert b"Traceback" not in proc.stderr and b"Assertion" not in proc.stderr

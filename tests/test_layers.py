@@ -28,7 +28,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("synth",),
     ("bench", "server", "inspect", "quality"),
     ("cli",),
-    ("", "__main__"),  # the package root re-exports the public face; python -m bmoe runs the cli
+    ("__main__",),  # python -m bmoe: the command line, run as a module
+    ("",),  # the package root re-exports the public face
 )
 RANK = {name: i for i, group in enumerate(LAYERS) for name in group}
 

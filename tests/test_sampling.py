@@ -197,3 +197,12 @@ def test_prompt_reuse_evaluates_only_the_suffix_and_equals_a_fresh_session(tiny,
     assert fresh.usage.prompt_evaluated == fresh.usage.prompt_tokens
     assert off.usage.prompt_evaluated == off.usage.prompt_tokens
     assert second.tokens == third.tokens == fresh.tokens == off.tokens
+
+
+def test_presence_and_frequency_penalties_change_the_draw_and_stream_like_resident(tiny) -> None:
+    path = tiny.path(TinySpec())
+    plain = SamplingParams(temperature=0.9, top_k=40, seed=7)
+    penalised = SamplingParams(temperature=0.9, top_k=40, seed=7, presence_penalty=1.5, frequency_penalty=1.0)
+    resident = sampled(path, RESIDENT, penalised)
+    assert resident != sampled(path, RESIDENT, plain), "the penalties reach llama.cpp's sampler"
+    assert sampled(path, EVICTING, penalised) == resident

@@ -12,6 +12,7 @@ from bmoe.engine.sync import SyncSession
 from bmoe.errors import BmoeError, ReadError
 from bmoe.pipeline.hooks import Hooks
 from bmoe.synth.tiny import TinySpec
+from bmoe.synth.vocab import EOS_ID
 from tests.helpers import N_TOKENS, PROMPT
 
 CONFIG = RunConfig(mode="stream", n_ctx=256)
@@ -140,3 +141,24 @@ async def test_failure_inside_a_stage_aborts_and_session_recovers(tiny) -> None:
         armed["on"] = False
         again = await session.generate(PROMPT, N_TOKENS, stop_at_end=False)
     assert again.tokens == await asyncio.to_thread(tiny.resident_tokens, path)
+
+
+def test_special_parses_control_text_on_every_front(tiny) -> None:
+    """``special=True`` reads control-token text in a prompt as that token (the chat's templates
+    depend on it); without it the same text is plain characters. Async, sync, stream and generate."""
+    path = tiny.path(TinySpec())
+    text = PROMPT + "</s>"  # the tiny vocabulary's end-of-sequence control token, spelled out
+    with SyncSession.open(path, CONFIG) as sync:
+        ids_special, ids_plain = sync.tokenize(text, special=True), sync.tokenize(text)
+        assert ids_special[-1] == EOS_ID and EOS_ID not in ids_plain, "the control text is parsed only when asked"
+        by_ids = sync.generate(ids_special, 6, stop_at_end=False)
+        sync_special = sync.generate(text, 6, special=True, stop_at_end=False)
+        sync_plain = sync.generate(text, 6, stop_at_end=False)
+        streamed = [p.token for p in sync.stream(text, 6, special=True, stop_at_end=False) if p.token is not None]
+
+    async def via_async() -> list[int]:
+        async with Session.open(path, CONFIG) as session:
+            return (await session.generate(text, 6, special=True, stop_at_end=False)).tokens
+
+    assert sync_special.usage.prompt_tokens == len(ids_special) != sync_plain.usage.prompt_tokens == len(ids_plain)
+    assert sync_special.tokens == by_ids.tokens == streamed == asyncio.run(via_async())

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from bmoe.metrics.sinks import read_csv
@@ -54,3 +55,60 @@ def test_a_signal_mid_run_flushes_the_sinks_and_exits_128_plus_n(tiny, tmp_path:
     assert summary["n_tokens"] == len(rows)
     trace = read_trace(trace_path)
     assert trace.n_layer == 2
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_a_piped_chat_waits_for_a_line_ends_it(tiny, sig: int) -> None:
+    """Standard input a pipe that stays open (a script or another program feeding the chat): the
+    wait for the next line must not outlive a stop signal (a reading thread once kept the process
+    alive until the next line came)."""
+    proc = subprocess.Popen([sys.executable, "-m", "bmoe.cli", "chat", "-m", str(tiny.path(TinySpec())), "-c", "256",
+                             "-n", "4", "-q"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stderr is not None
+    try:
+        proc.stdin.write(b"hello\n")
+        proc.stdin.flush()
+        seen = b""
+        while seen.count(b"> ") < 2:  # the reply is done and the second prompt waits for a line
+            byte = proc.stderr.read(1)
+            assert byte, seen
+            seen += byte
+        # A reader thread blocked in the pipe is what held the process: let it get there if there
+        # is one (the kernel names its wait), so that the signal finds the state that hung.
+        for _ in range(200):
+            if any("pipe_read" in w.read_text() for w in Path(f"/proc/{proc.pid}/task").glob("*/wchan")):
+                break
+            time.sleep(0.01)
+        proc.send_signal(sig)
+        proc.wait(60)  # a guard against the hang, not a timing
+        err = proc.stderr.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdin.close()
+    assert proc.returncode == 128 + sig, err
+    assert "Traceback" not in err and err.strip().startswith("bmoe: interrupted by"), err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_signal_stops_the_server_after_its_route_trace_is_written(tiny, tmp_path: Path, sig: int) -> None:
+    """uvicorn re-raised SIGTERM after its graceful shutdown and SIGHUP was not handled: either
+    killed ``bmoe serve`` before the session closed, leaving the route trace empty."""
+    trace_path = tmp_path / "serve.trace"
+    proc = subprocess.Popen([sys.executable, "-m", "bmoe.cli", "serve", "-m", str(tiny.path(TinySpec())), "--port", "0",
+                             "-c", "256", "--route-trace", str(trace_path)], stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    try:
+        url = proc.stderr.readline().split()[-1]
+        body = httpx.post(f"{url}/completions", json={"prompt": PROMPT, "max_tokens": 5}, timeout=120).json()
+        assert body["usage"]["completion_tokens"] == 5
+        proc.send_signal(sig)
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + sig, err
+    assert err.strip().splitlines()[-1].startswith("bmoe: interrupted by"), err
+    assert read_trace(trace_path).n_layer == 2

@@ -3,13 +3,19 @@ from the answer (``reasoning_content``), even when a tag is split across tokens.
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+
 import pytest
+from gguf import GGUFValueType
+from gguf.gguf_writer import GGUFValue
 
 from bmoe.engine.chat import BUILTIN, OWN, ChatFormat, Message
 from bmoe.engine.config import RunConfig
 from bmoe.engine.sync import SyncSession
 from bmoe.engine.thinking import ThinkSplitter
-from bmoe.synth.tiny import TinySpec
+from bmoe.synth.tiny import TinySpec, write_tiny
 
 # The shape of Qwen3's template: thinking off appends an empty think block to the generation prompt.
 QWEN3_LIKE = (
@@ -71,3 +77,27 @@ def test_reasoning_content_in_chat_completions(tiny) -> None:
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
     assert "".join(d.get("content", "") for d in deltas) == message["content"]
+
+
+def test_chat_no_think_flag_think_command_and_hidden_reasoning(tmp_path) -> None:  # noqa: ANN001
+    """``bmoe chat --no-think`` and ``/think off`` reach the template (the generation prompt grows by
+    the empty think block); with stdout not a terminal the reasoning is left out of the transcript."""
+    def with_template(w) -> None:  # noqa: ANN001
+        w.kv_data[0]["tokenizer.chat_template"] = GGUFValue(QWEN3_LIKE.decode(), GGUFValueType.STRING)
+
+    (path,) = write_tiny(tmp_path / "t.gguf", TinySpec(), edit_metadata=with_template)
+    (tmp_path / "g.gbnf").write_text('root ::= "<think>" [a-z]{2,6} "</think>" [a-z]{1,4}')
+
+    def chat(lines: str, *extra: str) -> tuple[int, str]:
+        proc = subprocess.run([sys.executable, "-m", "bmoe.cli", "chat", "-m", str(path), "-n", "30", "-c", "256",
+                               "-q", "--temp", "0.9", "--seed", "4", "--grammar-file", str(tmp_path / "g.gbnf"),
+                               *extra], input=lines, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+        prompt = int(re.findall(r"last prompt: (\d+) tokens", proc.stderr)[-1])
+        assert re.fullmatch(r"[a-z]{1,4}\n", proc.stdout), "only the answer: the reasoning is not shown"
+        return prompt, proc.stdout
+
+    thinking, _ = chat("hi\n/stats\n")
+    flag, _ = chat("hi\n/stats\n", "--no-think")
+    command, _ = chat("/think off\nhi\n/stats\n")
+    assert flag == command > thinking

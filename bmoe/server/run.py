@@ -3,8 +3,12 @@ that a port of 0 can be reported, and a line on stderr once requests are accepte
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import socket
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from bmoe.engine.config import RunConfig
@@ -32,10 +36,40 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 def serve(model: str | Path, config: RunConfig, *, host: str = "127.0.0.1", port: int = 8080,
           api_key: str | None = None, max_waiting: int = 8, max_body: int | None = None,
-          quiet: bool = False) -> None:
+          quiet: bool = False) -> int | None:
+    """Serve until a stop signal; returns that signal's number (None if the server ended by
+    itself), after the session is closed and its sinks (a route trace) are written out."""
     import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn that also stops gracefully on SIGHUP and leaves the exit to the caller: its own
+        signal capture re-raised SIGTERM at once after the shutdown, which killed the process
+        before the session was closed (a route trace was left empty)."""
+
+        stopped_by: int | None = None
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+
+            def on_signal(signum: int, frame: object) -> None:
+                if self.stopped_by is None:
+                    self.stopped_by = signum
+                self.handle_exit(signum, frame)  # a second SIGINT forces the exit
+
+            originals = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
+            try:
+                yield
+            finally:
+                for sig, handler in originals.items():
+                    signal.signal(sig, handler)
 
     sock = bind(host, port)
     bound = sock.getsockname()[1]
@@ -61,10 +95,10 @@ def serve(model: str | Path, config: RunConfig, *, host: str = "127.0.0.1", port
         loop = "uvloop"
     except ImportError:
         loop = "asyncio"
-    server = uvicorn.Server(uvicorn.Config(app, loop=loop, log_level="warning", lifespan="on",
-                                           timeout_graceful_shutdown=5))
+    server = Server(uvicorn.Config(app, loop=loop, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
     try:
         server.run(sockets=[sock])
     finally:
         sock.close()
         session.close()
+    return server.stopped_by
