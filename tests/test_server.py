@@ -154,10 +154,19 @@ def test_a_client_that_disconnects_mid_stream_then_a_fresh_request(served) -> No
 ])
 def test_bad_requests_get_4xx_in_the_openai_error_shape(served, path: str, body: bytes, status: int, needle: str) -> None:
     url, _ = served
+    before = _bad_requests(url)
     r = httpx.post(f"{url}{path}", content=body, headers={"content-type": "application/json"}, timeout=GUARD_S)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert needle in err["message"] and "type" in err and "Traceback" not in r.text
+    if path != "/v1/nothing":  # a completion request refused, wherever it was refused, is counted
+        assert _bad_requests(url) == before + 1
+
+
+def _bad_requests(url: str) -> float:
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
+    return sum(s.value for s in families["bmoe_requests"].samples
+               if s.name == "bmoe_requests_total" and s.labels.get("outcome") == "bad_request")
 
 
 def test_long_prompt_and_big_body(served) -> None:

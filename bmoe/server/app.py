@@ -249,6 +249,7 @@ def create_app(
 
     async def bad_request(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, _BadRequest)
+        server.metrics.requests.labels("bad_request").inc()  # refused before it reached the queue
         return _error(exc.status, exc.message, param=exc.param)
 
     async def http_error(_: Request, exc: Exception) -> Response:
