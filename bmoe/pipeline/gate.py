@@ -14,22 +14,19 @@ import asyncio
 import concurrent.futures
 import time
 from collections import deque
-from collections.abc import Callable
 
 import numpy as np
 
 from bmoe.errors import DecodeAbortedError
+from bmoe.pipeline.boundary import SERIAL, ComputeModes
 from bmoe.pipeline.channel import Channel
 from bmoe.pipeline.events import PHASE_DECODE, ReadAhead, RoutingEvent, routed_set
 
-# Called on the compute thread for every routed layer once it is served, when set (route traces):
-# step, phase, layer, the routed ids (rows x k), the layer's unique experts, which of them were
-# resident beforehand, and the seconds the thread waited for the rest.
-Tap = Callable[[int, int, int, np.ndarray, np.ndarray, np.ndarray, float], None]
-
 
 class RoutingGate:
-    def __init__(self) -> None:
+    """``modes`` fixes, for the gate's life, where routing waits and what observes it."""
+
+    def __init__(self, modes: ComputeModes = SERIAL) -> None:
         self._resident: list[np.ndarray] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._events: Channel[RoutingEvent] | None = None
@@ -42,14 +39,16 @@ class RoutingGate:
         # (layer, unique experts, their best router ranks).
         self.fast_hits: deque[tuple[int, np.ndarray, np.ndarray]] = deque()
         self.blocked_s = 0.0  # compute thread time spent waiting for the pipeline
-        self.tap: Tap | None = None
+        self.modes = modes
+        # Copied out of ``modes``: ``route`` reads plain attributes, one lookup each.
+        self._tap = modes.tap
         # Overlap: per layer, the projection to wait for at routing (the first one consumed); the
         # rest are waited for by ``wait_proj`` at the matmul nodes. None: serial, wait for all.
-        self.first_proj: dict[int, int] | None = None
-        self.last_proj: dict[int, int] = {}
+        self._first_proj = modes.overlap.first_proj() if modes.overlap is not None else None
+        self._last_proj = modes.overlap.last_proj() if modes.overlap is not None else {}
         # Modelled per-expert overlap (replay): routing returns once the layer is planned, and the
         # compute waits slice by slice with ``wait_expert``.
-        self.per_expert = False
+        self._per_expert = modes.per_expert
         self._open: dict[int, RoutingEvent] = {}
         # Predictive read-ahead: a prediction waiting for the next routing event to carry it.
         self._ahead: tuple[int, tuple[int, ...]] | None = None
@@ -91,8 +90,8 @@ class RoutingGate:
         ahead, self._ahead = self._ahead, None
         if resident.all():
             self.fast_hits.append((layer, experts, ranks))
-            if self.tap is not None:
-                self.tap(self.step, self.phase, layer, rows, experts, resident, 0.0)
+            if self._tap is not None:
+                self._tap(self.step, self.phase, layer, rows, experts, resident, 0.0)
             if ahead is not None:
                 self._read_ahead(*ahead, frozenset((layer, e) for e in experts.tolist()))
             return
@@ -103,22 +102,22 @@ class RoutingGate:
                              ranks=tuple(ranks.tolist()))
         self._pending.add(event)
         t0 = time.perf_counter()
-        first = self.first_proj.get(layer) if self.first_proj is not None else None
-        gate_on = event.planned if self.per_expert else event.reply if first is None else event.proj_ready[first]
+        first = self._first_proj.get(layer) if self._first_proj is not None else None
+        gate_on = event.planned if self._per_expert else event.reply if first is None else event.proj_ready[first]
         done = False
         try:
             if self.aborting:  # abort() ran before the event was registered: it saw no event
                 raise self.error or DecodeAbortedError("decode aborted")
             loop.call_soon_threadsafe(events.send_nowait, event)
             waited = self._wait(gate_on, t0)
-            done = first is None and not self.per_expert
+            done = first is None and not self._per_expert
         finally:
             if done or self.aborting:
                 self._pending.discard(event)
             else:
                 self._open[layer] = event
-        if self.tap is not None:
-            self.tap(self.step, self.phase, layer, rows, experts, resident, waited)
+        if self._tap is not None:
+            self._tap(self.step, self.phase, layer, rows, experts, resident, waited)
 
     def wait_proj(self, layer: int, proj: int) -> None:
         """Overlap: block until projection ``proj`` of the layer's routed experts is in place."""
@@ -128,7 +127,7 @@ class RoutingGate:
         try:
             self._wait(event.proj_ready[proj], time.perf_counter())
         finally:
-            if proj == self.last_proj.get(layer) or self.aborting:
+            if proj == self._last_proj.get(layer) or self.aborting:
                 del self._open[layer]
                 self._pending.discard(event)
 

@@ -18,6 +18,7 @@ from functools import partial
 import numpy as np
 
 from bmoe.errors import ReadError
+from bmoe.pipeline.boundary import SERIAL, ComputeModes
 from bmoe.pipeline.cache import ExpertCache, Plan
 from bmoe.pipeline.channel import Channel
 from bmoe.pipeline.events import (
@@ -30,7 +31,6 @@ from bmoe.pipeline.events import (
 from bmoe.pipeline.hooks import Hooks
 from bmoe.pipeline.readiness import ReadinessBoard
 from bmoe.stages.bind import BindJob, Residency
-from bmoe.stages.predict import Predictor
 
 
 class PrefetchStage:
@@ -41,6 +41,8 @@ class PrefetchStage:
         board: ReadinessBoard,
         fast_hits: deque[tuple[int, np.ndarray, np.ndarray]],
         hooks: Hooks,
+        modes: ComputeModes = SERIAL,
+        between_layers: Callable[[], None] | None = None,
     ) -> None:
         self._cache = cache
         self._residency = residency
@@ -50,21 +52,21 @@ class PrefetchStage:
         self.cache_s = 0.0  # time spent planning and evicting: the cache writer's own cost
         # Per layer, projections in the order the graph consumes them (found at open); default:
         # the residency's order.
-        self.consumption: dict[int, tuple[int, ...]] = {}
+        self._consumption = modes.overlap.consumption if modes.overlap is not None else {}
         # Replay of a per-expert readiness hook: publish one thread-safe future per slice.
-        self.per_expert = False
+        self._per_expert = modes.per_expert
         # Temporal read-ahead: while a layer is served, read what the previous token routed at
         # the next ``lookahead`` MoE layers into the cache, on idle lanes, within the budget.
-        self.lookahead = 0
+        self._lookahead = modes.lookahead
         self._last: dict[int, tuple[int, ...]] = {}  # layer -> experts it routed last time
         self._moe_layers: list[int] = []
-        self.predictor: Predictor | None = None  # scored here against the real routing
+        self._predictor = modes.predictor  # scored here against the real routing
         # Admissions per entry: a failed read undoes only the admission it was issued for, never
         # a later one of the same expert read since.
         self._admissions: dict[tuple[int, int], int] = {}
         # Called at each routing event once earlier fast-path layers are accounted and before the
         # layer is planned (the pressure guard): no layer is pinned, the compute thread waits.
-        self.between_layers: Callable[[], None] | None = None
+        self._between_layers = between_layers
 
     def account_fast_hits(self) -> None:
         """Plan the layers the routing gate served alone because all were resident, in order: the
@@ -79,8 +81,8 @@ class PrefetchStage:
         plan = self._cache.plan(layer, routed, ranks)
         self.evict(plan.evictions, [(layer, e) for e in plan.misses])
         self._last[layer] = routed
-        if self.predictor is not None:
-            self.predictor.score(layer, routed)
+        if self._predictor is not None:
+            self._predictor.score(layer, routed)
         return plan
 
     def evict(self, entries: tuple[tuple[int, int], ...], admitted: Sequence[tuple[int, int]] = ()) -> None:
@@ -114,8 +116,8 @@ class PrefetchStage:
                     continue
                 t0 = time.perf_counter()
                 self.account_fast_hits()
-                if self.between_layers is not None:
-                    self.between_layers()
+                if self._between_layers is not None:
+                    self._between_layers()
                 plan = self._plan(event.layer, event.experts, event.ranks)
                 self.cache_s += time.perf_counter() - t0
                 if self._hooks.on_plan:
@@ -137,14 +139,14 @@ class PrefetchStage:
                         if fut is not None:
                             by_proj[p].append(fut)
                             reads.send_nowait(key)  # promote it: a layer waits for it now
-                if self.per_expert:
+                if self._per_expert:
                     self._expose_per_expert(event, plan, by_proj)
                 binds.send_nowait(BindJob(event, plan, by_proj, issued_at))
                 if event.ahead is not None:
                     self._speculate([event.ahead], {(event.layer, e) for e in event.experts}, reads)
-                if self.lookahead and event.phase == PHASE_DECODE:
+                if self._lookahead and event.phase == PHASE_DECODE:
                     self._read_ahead(event, reads)
-                if self.per_expert:  # only now: read-ahead may have evicted
+                if self._per_expert:  # only now: read-ahead may have evicted
                     event.planned.set_result(None)
         finally:
             reads.close()
@@ -154,7 +156,7 @@ class PrefetchStage:
         if not self._moe_layers:
             self._moe_layers = sorted(self._residency.entry_bytes())
         i = self._moe_layers.index(event.layer)
-        ahead = [(il, self._last.get(il, ())) for il in self._moe_layers[i + 1 : i + 1 + self.lookahead]]
+        ahead = [(il, self._last.get(il, ())) for il in self._moe_layers[i + 1 : i + 1 + self._lookahead]]
         self._speculate(ahead, {(event.layer, e) for e in event.experts}, reads)
 
     def _speculate(self, ahead: list[tuple[int, tuple[int, ...]]], protect: set, reads: Channel) -> None:
@@ -190,7 +192,7 @@ class PrefetchStage:
                 event.expert_ready[p, e] = ready
 
     def _order(self, layer: int, n_proj: int) -> tuple[int, ...]:
-        return self.consumption.get(layer) or tuple(range(n_proj))
+        return self._consumption.get(layer) or tuple(range(n_proj))
 
     def _forget_on_failure(self, entry: tuple[int, int], admission: int):  # noqa: ANN202
         def done(fut) -> None:  # noqa: ANN001

@@ -1,0 +1,100 @@
+"""The modes of one streaming run, as one value the compute side and the pipeline are built from.
+
+Which points the compute thread waits at (serial, per projection, per expert), what observes it
+(route-trace taps), what guesses ahead of it (predictor, temporal look-ahead): decided once, at
+open or at the start of a replay, and never changed while a decode could be reading them. The
+routing gate, the eval callback and the prefetch stage each take this value whole and copy the
+fields they read on a hot path into plain attributes, so the boundary costs nothing per node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Protocol
+
+import numpy as np
+
+from bmoe.errors import ConfigError
+
+# Called on the compute thread for every routed layer once it is served, when set (route traces):
+# step, phase, layer, the routed ids (rows x k), the layer's unique experts, which of them were
+# resident beforehand, and the seconds the thread waited for the rest.
+Tap = Callable[[int, int, int, np.ndarray, np.ndarray, np.ndarray, float], None]
+# Called on the compute thread with a layer's routed experts' router probabilities (tokens x k).
+WeightsTap = Callable[[int, np.ndarray], None]
+
+
+class RoutePredictor(Protocol):
+    """Guesses a later layer's experts on the compute thread; scored on the loop against the real
+    routing (``bmoe.stages.predict.Predictor``)."""
+
+    def predict(self, layer: int, x: np.ndarray) -> tuple[int, np.ndarray] | None: ...
+
+    def trusted(self, layer: int) -> bool: ...
+
+    def score(self, layer: int, routed: tuple[int, ...]) -> None: ...
+
+    def accuracy_pct(self) -> dict[int, float]: ...
+
+
+@dataclass(frozen=True)
+class OverlapPlan:
+    """Overlap's wait points. ``consumption``: per MoE layer, its expert projections in the order
+    the graph consumes them; routing waits for the first, and each later one is waited for just
+    before its matmul. ``wait_after`` (live runs): the graph node after which the compute thread
+    waits for (layer, next projection); a replay's modelled compute waits by itself."""
+
+    consumption: Mapping[int, tuple[int, ...]]
+    wait_after: Mapping[bytes, tuple[int, int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for layer, order in self.consumption.items():
+            if not order or len(set(order)) != len(order):
+                raise ConfigError(f"overlap: layer {layer} consumes projections {order!r}: need each once")
+        for name, (layer, proj) in self.wait_after.items():
+            if proj not in self.consumption.get(layer, ()):
+                raise ConfigError(f"overlap: node {name!r} waits for projection {proj} of layer {layer}, "
+                                  "which the plan does not consume")
+        object.__setattr__(self, "consumption", MappingProxyType(dict(self.consumption)))
+        object.__setattr__(self, "wait_after", MappingProxyType(dict(self.wait_after)))
+
+    @classmethod
+    def in_order(cls, layers: list[int], n_proj: int) -> OverlapPlan:
+        """Every layer consumes its projections as stored (a replay's modelled compute)."""
+        return cls({il: tuple(range(n_proj)) for il in layers})
+
+    def first_proj(self) -> dict[int, int]:
+        return {il: order[0] for il, order in self.consumption.items()}
+
+    def last_proj(self) -> dict[int, int]:
+        return {il: order[-1] for il, order in self.consumption.items()}
+
+
+@dataclass(frozen=True)
+class ComputeModes:
+    """``overlap``: per-projection wait points (None: wait for a layer's every byte at routing).
+    ``per_expert``: modelled per-expert overlap (replay only): routing returns once the layer is
+    planned, and the compute waits slice by slice. ``tap`` / ``weights_tap``: route-trace
+    observers. ``predictor``: predictive read-ahead from the next layer's router. ``lookahead``:
+    MoE layers ahead whose previous routing is read ahead while a layer is served (0: off)."""
+
+    overlap: OverlapPlan | None = None
+    per_expert: bool = False
+    tap: Tap | None = None
+    weights_tap: WeightsTap | None = None
+    predictor: RoutePredictor | None = None
+    lookahead: int = 0
+
+    def __post_init__(self) -> None:
+        if self.overlap is not None and self.per_expert:
+            raise ConfigError("overlap waits per projection or per expert, not both")
+        if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or self.lookahead < 0:
+            raise ConfigError(f"lookahead must be a non-negative integer, got {self.lookahead!r}")
+        for name in ("tap", "weights_tap"):
+            if getattr(self, name) is not None and not callable(getattr(self, name)):
+                raise ConfigError(f"{name} must be callable")
+
+
+SERIAL = ComputeModes()  # wait for a layer's every byte at routing; nothing observes or guesses
