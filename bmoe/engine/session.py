@@ -22,7 +22,6 @@ import numpy as np
 
 from bmoe.engine.callback import Capture, Consumption, EvalCallback
 from bmoe.engine.config import RunConfig
-from bmoe.engine.drop_cold import DropColdCallback
 from bmoe.engine.isolate import check_first_open
 from bmoe.engine.loader import OpenedModel, capture_weights, open_model
 from bmoe.engine.lossy import load_overrides, lossy_callback
@@ -191,8 +190,6 @@ class Session:
                 )
                 streamer = Streamer(parts, hooks or Hooks(), config.io_threads, modes)
                 callback.stream(streamer.gate)
-                if isinstance(callback, DropColdCallback):
-                    callback.drop.bind(streamer.residency.maps)
             if config.dense_weights == "anon":
                 dense = _anon_dense(layout, opened, model, config)
         except BaseException:

@@ -26,15 +26,15 @@ from bmoe.metrics.stats import Counters
 from bmoe.pipeline.budget import Budget, Needs, needs_from, parse_smaps, read_meminfo, resolve_budget, transient_bytes
 from bmoe.pipeline.cache import ExpertCache
 from bmoe.pipeline.channel import Channel
-from bmoe.pipeline.events import RoutingEvent
+from bmoe.pipeline.events import GateItem, ReadItem
 from bmoe.pipeline.gate import RoutingGate
 from bmoe.pipeline.hooks import Hooks
-from bmoe.pipeline.boundary import SERIAL, ComputeModes
+from bmoe.pipeline.boundary import SERIAL, ComputeModes, FastPath
 from bmoe.pipeline.policies import make_policy
 from bmoe.pipeline.pressure import BudgetChange, GuardSettings, PressureGuard
 from bmoe.pipeline.profile import load_profile, save_profile
 from bmoe.pipeline.readiness import ReadinessBoard
-from bmoe.stages.bind import BindStage, Residency, SimResidency
+from bmoe.stages.bind import BindJob, BindStage, Residency, SimResidency
 from bmoe.stages.prefetch import PrefetchStage
 from bmoe.stages.read import Reader, ReadStage
 
@@ -157,11 +157,11 @@ class Streamer:
         self.budget = parts.budget
         self.guard = parts.guard
         self.modes = modes
-        self.gate = RoutingGate(modes)
-        self.gate.set_resident_maps(residency.maps)
+        fast_path = FastPath.over(residency.maps)
+        self.gate = RoutingGate(modes, fast_path)
         self.lanes = ThreadPoolExecutor(io_threads, thread_name_prefix="bmoe-io")
         self.board = ReadinessBoard()
-        self.prefetch = PrefetchStage(cache, residency, self.board, self.gate.fast_hits, hooks, modes,
+        self.prefetch = PrefetchStage(cache, residency, self.board, fast_path.hits, hooks, modes,
                                       between_layers=self.tick)
         self.read = ReadStage(self.reader, self.lanes, io_threads, self.board, hooks)
         self.bind = BindStage(residency)
@@ -178,9 +178,9 @@ class Streamer:
             self.residency.recycled_bytes, len(self.budget_changes),
         )
 
-    def serve(self, events: Channel[RoutingEvent]) -> list:
-        reads: Channel = Channel()
-        binds: Channel = Channel()
+    def serve(self, events: Channel[GateItem]) -> list:
+        reads: Channel[ReadItem] = Channel()
+        binds: Channel[BindJob] = Channel()
         return [self.prefetch.run(events, reads, binds), self.read.run(reads), self.bind.run(binds)]
 
     def end_step(self) -> None:

@@ -1,18 +1,24 @@
-"""The modes of one streaming run, as one value the compute side and the pipeline are built from.
+"""The boundary between the compute thread and the pipeline: what crosses it, and how.
 
-Which points the compute thread waits at (serial, per projection, per expert), what observes it
-(route-trace taps), what guesses ahead of it (predictor, temporal look-ahead): decided once, at
-open or at the start of a replay, and never changed while a decode could be reading them. The
-routing gate, the eval callback and the prefetch stage each take this value whole and copy the
-fields they read on a hot path into plain attributes, so the boundary costs nothing per node.
+``ComputeModes``: the modes of one streaming run, as one value. Which points the compute thread
+waits at (serial, per projection, per expert), what observes it (route-trace taps), what guesses
+ahead of it (predictor, temporal look-ahead): decided once, at open or at the start of a replay,
+and never changed while a decode could be reading them. The routing gate, the eval callback and
+the prefetch stage each take this value whole and copy the fields they read on a hot path into
+plain attributes, so the boundary costs nothing per node.
+
+``FastPath``: the two structures both sides touch with no hop, when every routed expert of a
+layer is resident. Everything else crosses by a channel (``bmoe.pipeline.events.GateItem``) and a
+thread-safe future the compute thread waits on.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Protocol
+from typing import NamedTuple, Protocol, TypeAlias
 
 import numpy as np
 
@@ -98,3 +104,25 @@ class ComputeModes:
 
 
 SERIAL = ComputeModes()  # wait for a layer's every byte at routing; nothing observes or guesses
+
+# A layer the gate served alone: (layer, its unique routed experts, each one's best router rank).
+# A plain tuple: it is made on the compute thread at every all-resident layer.
+FastHit: TypeAlias = tuple[int, np.ndarray, np.ndarray]
+
+
+class FastPath(NamedTuple):
+    """What the gate's fast path shares with the loop, without a hop.
+
+    ``resident``: per layer, a bool per expert, true while that expert's bytes are in place. The
+    bind stage sets it once a layer's reads have landed; evictions clear it, only while the compute
+    thread waits on the loop; the gate reads it at every routing. ``hits``: the layers the gate
+    served alone, appended on the compute thread and drained in order by the cache writer
+    (``PrefetchStage.account_fast_hits``), so the cache sees one plan per routed layer."""
+
+    resident: list[np.ndarray]
+    hits: deque[FastHit]
+
+    @classmethod
+    def over(cls, resident: list[np.ndarray]) -> FastPath:
+        """A fast path over a residency's maps, with no hit yet."""
+        return cls(resident, deque())  # wait for a layer's every byte at routing; nothing observes or guesses

@@ -3,13 +3,18 @@
 A RoutingEvent is born on the compute thread (inside the eval callback) and crosses to the event
 loop; its ``reply`` is the one object both sides touch, a thread-safe future the callback blocks on
 until the layer's bytes are in place (or an error says they never will be).
+
+The channels' item types, named at the end: ``GateItem`` (gate -> prefetch: a layer to serve, or
+a prediction to read ahead) and ``ReadItem`` (prefetch -> read: a ``ReadJob`` to queue, or a
+``Promotion`` of a queued speculative read a layer now waits for).
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeAlias
 
 import numpy as np
 
@@ -94,3 +99,12 @@ class ReadRequest:
     nbytes: int
     dest: int
     speculative: bool = False
+
+
+# gate -> prefetch: a routed layer in need of reads, or a prediction to read ahead.
+GateItem: TypeAlias = RoutingEvent | ReadAhead
+# prefetch -> read: one read with the readiness future its completion resolves ...
+ReadJob: TypeAlias = tuple[ReadRequest, asyncio.Future[int]]
+# ... or a key alone: its speculative read, if still queued, is needed by a layer now.
+Promotion: TypeAlias = ExpertKey
+ReadItem: TypeAlias = ReadJob | Promotion

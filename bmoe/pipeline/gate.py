@@ -13,31 +13,37 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from collections import deque
 
 import numpy as np
 
 from bmoe.errors import DecodeAbortedError
-from bmoe.pipeline.boundary import SERIAL, ComputeModes
+from bmoe.pipeline.boundary import SERIAL, ComputeModes, FastPath
 from bmoe.pipeline.channel import Channel
-from bmoe.pipeline.events import PHASE_DECODE, ReadAhead, RoutingEvent, routed_set
+from bmoe.pipeline.events import (
+    PHASE_DECODE,
+    GateItem,
+    ReadAhead,
+    RoutingEvent,
+    routed_set,
+)
 
 
 class RoutingGate:
-    """``modes`` fixes, for the gate's life, where routing waits and what observes it."""
+    """``modes`` fixes, for the gate's life, where routing waits and what observes it;
+    ``fast_path`` is what it shares with the loop (none: a gate that never routes, for warm-up
+    and resident runs)."""
 
-    def __init__(self, modes: ComputeModes = SERIAL) -> None:
-        self._resident: list[np.ndarray] = []
+    def __init__(self, modes: ComputeModes = SERIAL, fast_path: FastPath | None = None) -> None:
+        self.fast_path = fast_path if fast_path is not None else FastPath.over([])
+        self._resident = self.fast_path.resident
+        self._fast_hits = self.fast_path.hits  # accounted by the cache writer on the loop thread
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._events: Channel[RoutingEvent] | None = None
+        self._events: Channel[GateItem] | None = None
         self._pending: set[RoutingEvent] = set()
         self.error: BaseException | None = None
         self.aborting = False
         self.step = 0
         self.phase = PHASE_DECODE
-        # Layers served by the fast path, for the cache writer to account on the loop thread:
-        # (layer, unique experts, their best router ranks).
-        self.fast_hits: deque[tuple[int, np.ndarray, np.ndarray]] = deque()
         self.blocked_s = 0.0  # compute thread time spent waiting for the pipeline
         self.modes = modes
         # Copied out of ``modes``: ``route`` reads plain attributes, one lookup each.
@@ -53,12 +59,8 @@ class RoutingGate:
         # Predictive read-ahead: a prediction waiting for the next routing event to carry it.
         self._ahead: tuple[int, tuple[int, ...]] | None = None
 
-    def set_resident_maps(self, maps: list[np.ndarray]) -> None:
-        """Per layer, a bool per expert that the bind stage keeps true while its bytes are in place."""
-        self._resident = maps
-
     def arm(
-        self, loop: asyncio.AbstractEventLoop, events: Channel[RoutingEvent] | None, step: int, phase: int
+        self, loop: asyncio.AbstractEventLoop, events: Channel[GateItem] | None, step: int, phase: int
     ) -> None:
         """Prepare for one decode call: where to send events (None: nothing streams), which step."""
         self._loop, self._events = loop, events
@@ -89,7 +91,7 @@ class RoutingGate:
         resident = self._resident[layer][experts]
         ahead, self._ahead = self._ahead, None
         if resident.all():
-            self.fast_hits.append((layer, experts, ranks))
+            self._fast_hits.append((layer, experts, ranks))
             if self._tap is not None:
                 self._tap(self.step, self.phase, layer, rows, experts, resident, 0.0)
             if ahead is not None:

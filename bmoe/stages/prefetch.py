@@ -15,16 +15,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import partial
 
-import numpy as np
-
 from bmoe.errors import ReadError
-from bmoe.pipeline.boundary import SERIAL, ComputeModes
+from bmoe.pipeline.boundary import SERIAL, ComputeModes, FastHit
 from bmoe.pipeline.cache import ExpertCache, Plan
 from bmoe.pipeline.channel import Channel
 from bmoe.pipeline.events import (
     PHASE_DECODE,
     ExpertKey,
+    GateItem,
     ReadAhead,
+    ReadItem,
     ReadRequest,
     RoutingEvent,
 )
@@ -39,7 +39,7 @@ class PrefetchStage:
         cache: ExpertCache,
         residency: Residency,
         board: ReadinessBoard,
-        fast_hits: deque[tuple[int, np.ndarray, np.ndarray]],
+        fast_hits: deque[FastHit],
         hooks: Hooks,
         modes: ComputeModes = SERIAL,
         between_layers: Callable[[], None] | None = None,
@@ -102,8 +102,8 @@ class PrefetchStage:
 
     async def run(
         self,
-        events: Channel[RoutingEvent],
-        reads: Channel[tuple[ReadRequest, asyncio.Future[int]]],
+        events: Channel[GateItem],
+        reads: Channel[ReadItem],
         binds: Channel[BindJob],
     ) -> None:
         try:
@@ -152,14 +152,14 @@ class PrefetchStage:
             reads.close()
             binds.close()
 
-    def _read_ahead(self, event: RoutingEvent, reads: Channel) -> None:
+    def _read_ahead(self, event: RoutingEvent, reads: Channel[ReadItem]) -> None:
         if not self._moe_layers:
             self._moe_layers = sorted(self._residency.entry_bytes())
         i = self._moe_layers.index(event.layer)
         ahead = [(il, self._last.get(il, ())) for il in self._moe_layers[i + 1 : i + 1 + self._lookahead]]
         self._speculate(ahead, {(event.layer, e) for e in event.experts}, reads)
 
-    def _speculate(self, ahead: list[tuple[int, tuple[int, ...]]], protect: set, reads: Channel) -> None:
+    def _speculate(self, ahead: list[tuple[int, tuple[int, ...]]], protect: set, reads: Channel[ReadItem]) -> None:
         """Admit and read the candidates the budget has room for, never evicting ``protect``
         (the layer being served) or each other."""
         protect = protect | {(il, e) for il, experts in ahead for e in experts}
@@ -172,7 +172,7 @@ class PrefetchStage:
                 for request in self._residency.requests(il, e):
                     self._issue(replace(request, speculative=True), e, reads)
 
-    def _issue(self, request: ReadRequest, expert: int, reads: Channel) -> asyncio.Future[int]:
+    def _issue(self, request: ReadRequest, expert: int, reads: Channel[ReadItem]) -> asyncio.Future[int]:
         """Send one read with its readiness future; a failed read leaves no trace in the cache."""
         fut = self._board.expect(request.key)
         entry = (request.key.layer, expert)
