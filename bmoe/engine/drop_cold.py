@@ -84,7 +84,7 @@ class DropCold:
         self.tokens = 0  # tokens decided on (counted at the first MoE layer)
 
     def bind(self, resident_maps: list[np.ndarray]) -> None:
-        """The per-layer resident maps the bind stage keeps (``FastPath.resident``)."""
+        """The per-layer resident maps the ready stage keeps (``FastPath.resident``)."""
         self._resident = resident_maps
 
     def counters(self) -> dict[str, object]:

@@ -2,7 +2,7 @@
 
 Which cache size does a model need here, and what would a better policy buy? A replay answers
 without running the model: every layer event of a route trace goes through the same routing gate,
-prefetch (the cache and its policy), read lanes and bind stage a live run uses; only the compute
+prefetch (the cache and its policy), read lanes and ready stage a live run uses; only the compute
 is modelled, as a sleep on the compute thread (the trace's own per-layer timings when it has
 them, else a fixed time per layer), and with ``io="sim"`` the reads are modelled too, from a
 probe of this machine's disk at the trace's expert size. Counts (hits, bytes) are deterministic;

@@ -34,9 +34,10 @@ from bmoe.pipeline.policies import make_policy
 from bmoe.pipeline.pressure import BudgetChange, GuardSettings, PressureGuard
 from bmoe.pipeline.profile import load_profile, save_profile
 from bmoe.pipeline.readiness import ReadinessBoard
-from bmoe.stages.bind import BindJob, BindStage, Residency, SimResidency
+from bmoe.stages.bind import Residency, SimResidency
 from bmoe.stages.prefetch import PrefetchStage
 from bmoe.stages.read import Reader, ReadStage
+from bmoe.stages.ready import LayerReads, ReadyStage
 
 
 def open_reader(layout: ModelLayout, direct: bool) -> ShardReader:
@@ -164,7 +165,7 @@ class Streamer:
         self.prefetch = PrefetchStage(cache, residency, self.board, fast_path.hits, hooks, modes,
                                       between_layers=self.tick)
         self.read = ReadStage(self.reader, self.lanes, io_threads, self.board, hooks)
-        self.bind = BindStage(residency)
+        self.ready = ReadyStage(residency)
         self.trim_s = 0.0
         self.budget_changes: list[BudgetChange] = []
 
@@ -172,7 +173,7 @@ class Streamer:
         c = self.cache
         return Counters(
             self.read.counters.slices, self.read.counters.bytes_read, self.read.counters.busy_s,
-            self.bind.read_wall_s, self.gate.blocked_s, self.prefetch.cache_s + self.trim_s,
+            self.ready.read_wall_s, self.gate.blocked_s, self.prefetch.cache_s + self.trim_s,
             c.misses, c.hits, c.evictions,
             self.read.counters.speculative_bytes, c.speculated, c.speculation_useful,
             self.residency.recycled_bytes, len(self.budget_changes),
@@ -180,8 +181,8 @@ class Streamer:
 
     def serve(self, events: Channel[GateItem]) -> list:
         reads: Channel[ReadItem] = Channel()
-        binds: Channel[BindJob] = Channel()
-        return [self.prefetch.run(events, reads, binds), self.read.run(reads), self.bind.run(binds)]
+        layers: Channel[LayerReads] = Channel()
+        return [self.prefetch.run(events, reads, layers), self.read.run(reads), self.ready.run(layers)]
 
     def end_step(self) -> None:
         """Between decode steps: account fast-path hits, let the guard move the budget, and evict

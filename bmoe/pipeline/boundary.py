@@ -114,7 +114,7 @@ class FastPath(NamedTuple):
     """What the gate's fast path shares with the loop, without a hop.
 
     ``resident``: per layer, a bool per expert, true while that expert's bytes are in place. The
-    bind stage sets it once a layer's reads have landed; evictions clear it, only while the compute
+    ready stage sets it once a layer's reads have landed; evictions clear it, only while the compute
     thread waits on the loop; the gate reads it at every routing. ``hits``: the layers the gate
     served alone, appended on the compute thread and drained in order by the cache writer
     (``PrefetchStage.account_fast_hits``), so the cache sees one plan per routed layer."""

@@ -1,6 +1,6 @@
 """Prefetch: the single writer of cache state. For each routing event it plans hits, misses and
 evictions, releases what is evicted, issues the misses as read requests (projection by projection,
-in the order the graph consumes them) and hands the layer's readiness futures to the bind stage;
+in the order the graph consumes them) and hands the layer's readiness futures to the ready stage;
 with read-ahead on, it also admits and reads experts a later layer is expected to route. It only
 evicts while the compute thread waits on it, so no page is released under a running matmul.
 """
@@ -30,7 +30,8 @@ from bmoe.pipeline.events import (
 )
 from bmoe.pipeline.hooks import Hooks
 from bmoe.pipeline.readiness import ReadinessBoard
-from bmoe.stages.bind import BindJob, Residency
+from bmoe.stages.bind import Residency
+from bmoe.stages.ready import LayerReads
 
 
 class PrefetchStage:
@@ -104,7 +105,7 @@ class PrefetchStage:
         self,
         events: Channel[GateItem],
         reads: Channel[ReadItem],
-        binds: Channel[BindJob],
+        layers: Channel[LayerReads],
     ) -> None:
         try:
             async for event in events:
@@ -141,7 +142,7 @@ class PrefetchStage:
                             reads.send_nowait(key)  # promote it: a layer waits for it now
                 if self._per_expert:
                     self._expose_per_expert(event, plan, by_proj)
-                binds.send_nowait(BindJob(event, plan, by_proj, issued_at))
+                layers.send_nowait(LayerReads(event, plan, by_proj, issued_at))
                 if event.ahead is not None:
                     self._speculate([event.ahead], {(event.layer, e) for e in event.experts}, reads)
                 if self._lookahead and event.phase == PHASE_DECODE:
@@ -150,7 +151,7 @@ class PrefetchStage:
                     event.planned.set_result(None)
         finally:
             reads.close()
-            binds.close()
+            layers.close()
 
     def _read_ahead(self, event: RoutingEvent, reads: Channel[ReadItem]) -> None:
         if not self._moe_layers:
