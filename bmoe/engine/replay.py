@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bmoe.engine.per_expert import PerExpertGate, PerExpertPrefetch
 from bmoe.engine.streaming import Streamer, StreamParts, open_reader, recycling_fits
 from bmoe.errors import BmoeError, DecodeAbortedError
 from bmoe.io.direct import ShardReader
@@ -122,6 +123,7 @@ def _modelled_decode(
                         gate.wait_proj(ev.layer, p)
                     clock.work(part)
             elif overlap == "expert":
+                assert isinstance(gate, PerExpertGate)
                 experts = sorted(set(ev.experts))
                 for p in range(n_proj):
                     for e in experts:
@@ -290,11 +292,12 @@ async def replay(
         io = reader.mode
     cache = ExpertCache(budget_bytes, entry, make_policy(policy, future=[(e.layer, e.experts) for e in events]))
     n_proj = residency.n_proj(trace.moe_layers[0])
-    modes = ComputeModes(
-        overlap=OverlapPlan.in_order(trace.moe_layers, n_proj) if overlap == "tensor" else None,
-        per_expert=overlap == "expert",
-    )
-    streamer = Streamer(StreamParts(residency, reader, cache, Budget(budget_bytes, "replay")), Hooks(), io_threads, modes)
+    modes = ComputeModes(overlap=OverlapPlan.in_order(trace.moe_layers, n_proj) if overlap == "tensor" else None)
+    parts = StreamParts(residency, reader, cache, Budget(budget_bytes, "replay"))
+    if overlap == "expert":
+        streamer = Streamer(parts, Hooks(), io_threads, modes, gate_type=PerExpertGate, prefetch_type=PerExpertPrefetch)
+    else:
+        streamer = Streamer(parts, Hooks(), io_threads, modes)
     gate = streamer.gate
     stage = ComputeStage(_modelled_decode(gate, compute, overlap, n_proj), gate.arm, gate.disarm, gate.abort)
     hits = [0, 0]

@@ -148,10 +148,15 @@ class Streamer:
 
     Built from parts so that a trace replay runs the very same stages over a simulated residency
     and reader. ``modes`` are the run's, fixed for its life: the routing gate (``gate``, which the
-    compute side routes through) and the prefetch stage are made from them.
+    compute side routes through) and the prefetch stage are made from them. ``gate_type`` and
+    ``prefetch_type``: a replay's modelled per-expert overlap brings its own
+    (``bmoe.engine.per_expert``).
     """
 
-    def __init__(self, parts: StreamParts, hooks: Hooks, io_threads: int, modes: ComputeModes = SERIAL) -> None:
+    def __init__(
+        self, parts: StreamParts, hooks: Hooks, io_threads: int, modes: ComputeModes = SERIAL, *,
+        gate_type: type[RoutingGate] = RoutingGate, prefetch_type: type[PrefetchStage] = PrefetchStage,
+    ) -> None:
         self.residency = residency = parts.residency
         self.reader = parts.reader
         self.cache = cache = parts.cache
@@ -159,10 +164,10 @@ class Streamer:
         self.guard = parts.guard
         self.modes = modes
         fast_path = FastPath.over(residency.maps)
-        self.gate = RoutingGate(modes, fast_path)
+        self.gate = gate_type(modes, fast_path)
         self.lanes = ThreadPoolExecutor(io_threads, thread_name_prefix="bmoe-io")
         self.board = ReadinessBoard()
-        self.prefetch = PrefetchStage(cache, residency, self.board, fast_path.hits, hooks, modes,
+        self.prefetch = prefetch_type(cache, residency, self.board, fast_path.hits, hooks, modes,
                                       between_layers=self.tick)
         self.read = ReadStage(self.reader, self.lanes, io_threads, self.board, hooks)
         self.ready = ReadyStage(residency)

@@ -1,7 +1,7 @@
 """The boundary between the compute thread and the pipeline: what crosses it, and how.
 
 ``ComputeModes``: the modes of one streaming run, as one value. Which points the compute thread
-waits at (serial, per projection, per expert), what observes it (route-trace taps), what guesses
+waits at (at routing, or per projection), what observes it (route-trace taps), what guesses
 ahead of it (predictor, temporal look-ahead): decided once, at open or at the start of a replay,
 and never changed while a decode could be reading them. The routing gate, the eval callback and
 the prefetch stage each take this value whole and copy the fields they read on a hot path into
@@ -80,22 +80,19 @@ class OverlapPlan:
 
 @dataclass(frozen=True)
 class ComputeModes:
-    """``overlap``: per-projection wait points (None: wait for a layer's every byte at routing).
-    ``per_expert``: modelled per-expert overlap (replay only): routing returns once the layer is
-    planned, and the compute waits slice by slice. ``tap`` / ``weights_tap``: route-trace
-    observers. ``predictor``: predictive read-ahead from the next layer's router. ``lookahead``:
-    MoE layers ahead whose previous routing is read ahead while a layer is served (0: off)."""
+    """``overlap``: per-projection wait points (None: wait for a layer's every byte at routing;
+    a replay's modelled per-expert overlap is a gate of its own, ``bmoe.engine.per_expert``).
+    ``tap`` / ``weights_tap``: route-trace observers. ``predictor``: predictive read-ahead from
+    the next layer's router. ``lookahead``: MoE layers ahead whose previous routing is read ahead
+    while a layer is served (0: off)."""
 
     overlap: OverlapPlan | None = None
-    per_expert: bool = False
     tap: Tap | None = None
     weights_tap: WeightsTap | None = None
     predictor: RoutePredictor | None = None
     lookahead: int = 0
 
     def __post_init__(self) -> None:
-        if self.overlap is not None and self.per_expert:
-            raise ConfigError("overlap waits per projection or per expert, not both")
         if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or self.lookahead < 0:
             raise ConfigError(f"lookahead must be a non-negative integer, got {self.lookahead!r}")
         for name in ("tap", "weights_tap"):

@@ -45,11 +45,6 @@ class RoutingEvent:
     proj_ready: tuple[concurrent.futures.Future[None], ...] = field(
         default_factory=lambda: tuple(concurrent.futures.Future() for _ in range(MAX_PROJ))
     )
-
-    # Modelled per-expert overlap (replay only): set once ``expert_ready`` holds a future per
-    # (projection, expert), each set when that one slice is in place.
-    planned: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
-    expert_ready: dict[tuple[int, int], concurrent.futures.Future[None]] = field(default_factory=dict)
     # A prediction made before this layer routed: (later layer, its expected experts), read ahead
     # once this layer's own reads are issued. Riding on the event saves the loop a round trip.
     ahead: tuple[int, tuple[int, ...]] | None = None
@@ -58,7 +53,7 @@ class RoutingEvent:
     ranks: tuple[int, ...] | None = None
 
     def fail(self, error: BaseException) -> None:
-        for fut in (*self.proj_ready, self.reply, self.planned, *self.expert_ready.values()):
+        for fut in (*self.proj_ready, self.reply):
             if not fut.done():
                 fut.set_exception(error)
 

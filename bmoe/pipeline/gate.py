@@ -33,6 +33,9 @@ class RoutingGate:
     ``fast_path`` is what it shares with the loop (none: a gate that never routes, for warm-up
     and resident runs)."""
 
+    # What a routing that misses posts; a replay's modelled per-expert overlap posts its own.
+    event_type: type[RoutingEvent] = RoutingEvent
+
     def __init__(self, modes: ComputeModes = SERIAL, fast_path: FastPath | None = None) -> None:
         self.fast_path = fast_path if fast_path is not None else FastPath.over([])
         self._resident = self.fast_path.resident
@@ -52,9 +55,6 @@ class RoutingGate:
         # rest are waited for by ``wait_proj`` at the matmul nodes. None: serial, wait for all.
         self._first_proj = modes.overlap.first_proj() if modes.overlap is not None else None
         self._last_proj = modes.overlap.last_proj() if modes.overlap is not None else {}
-        # Modelled per-expert overlap (replay): routing returns once the layer is planned, and the
-        # compute waits slice by slice with ``wait_expert``.
-        self._per_expert = modes.per_expert
         self._open: dict[int, RoutingEvent] = {}
         # Predictive read-ahead: a prediction waiting for the next routing event to carry it.
         self._ahead: tuple[int, tuple[int, ...]] | None = None
@@ -100,19 +100,18 @@ class RoutingGate:
         loop, events = self._loop, self._events
         if loop is None or events is None:
             raise DecodeAbortedError("routing event outside an armed decode")
-        event = RoutingEvent(layer, tuple(experts.tolist()), self.step, self.phase, ahead=ahead,
-                             ranks=tuple(ranks.tolist()))
+        event = self.event_type(layer, tuple(experts.tolist()), self.step, self.phase, ahead=ahead,
+                                ranks=tuple(ranks.tolist()))
         self._pending.add(event)
         t0 = time.perf_counter()
-        first = self._first_proj.get(layer) if self._first_proj is not None else None
-        gate_on = event.planned if self._per_expert else event.reply if first is None else event.proj_ready[first]
+        gate_on, keep_open = self._wait_point(event, layer)
         done = False
         try:
             if self.aborting:  # abort() ran before the event was registered: it saw no event
                 raise self.error or DecodeAbortedError("decode aborted")
             loop.call_soon_threadsafe(events.send_nowait, event)
             waited = self._wait(gate_on, t0)
-            done = first is None and not self._per_expert
+            done = not keep_open
         finally:
             if done or self.aborting:
                 self._pending.discard(event)
@@ -120,6 +119,14 @@ class RoutingGate:
                 self._open[layer] = event
         if self._tap is not None:
             self._tap(self.step, self.phase, layer, rows, experts, resident, waited)
+
+    def _wait_point(self, event: RoutingEvent, layer: int) -> tuple[concurrent.futures.Future[None], bool]:
+        """What a missed layer's routing waits for, and whether the layer stays open for waits
+        later in its compute (overlap: the first projection consumed; serial: every byte)."""
+        first = self._first_proj.get(layer) if self._first_proj is not None else None
+        if first is None:
+            return event.reply, False
+        return event.proj_ready[first], True
 
     def wait_proj(self, layer: int, proj: int) -> None:
         """Overlap: block until projection ``proj`` of the layer's routed experts is in place."""
@@ -151,18 +158,6 @@ class RoutingGate:
         t0 = time.perf_counter()
         loop.call_soon_threadsafe(events.send_nowait, ahead)
         self._wait(ahead.planned, t0)
-
-    def wait_expert(self, layer: int, proj: int, expert: int) -> None:
-        """Modelled per-expert overlap: block until one slice of the layer is in place."""
-        event = self._open.get(layer)
-        if event is None:
-            return
-        self._wait(event.expert_ready[proj, expert], time.perf_counter())
-
-    def close_layer(self, layer: int) -> None:
-        event = self._open.pop(layer, None)
-        if event is not None:
-            self._pending.discard(event)
 
     def _wait(self, fut: concurrent.futures.Future[None], since: float) -> float:
         """Block on ``fut`` (raising its error), counting the time since ``since`` as blocked."""

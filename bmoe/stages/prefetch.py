@@ -8,14 +8,11 @@ evicts while the compute thread waits on it, so no page is released under a runn
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from functools import partial
 
-from bmoe.errors import ReadError
 from bmoe.pipeline.boundary import SERIAL, ComputeModes, FastHit
 from bmoe.pipeline.cache import ExpertCache, Plan
 from bmoe.pipeline.channel import Channel
@@ -54,8 +51,6 @@ class PrefetchStage:
         # Per layer, projections in the order the graph consumes them (found at open); default:
         # the residency's order.
         self._consumption = modes.overlap.consumption if modes.overlap is not None else {}
-        # Replay of a per-expert readiness hook: publish one thread-safe future per slice.
-        self._per_expert = modes.per_expert
         # Temporal read-ahead: while a layer is served, read what the previous token routed at
         # the next ``lookahead`` MoE layers into the cache, on idle lanes, within the budget.
         self._lookahead = modes.lookahead
@@ -140,15 +135,12 @@ class PrefetchStage:
                         if fut is not None:
                             by_proj[p].append(fut)
                             reads.send_nowait(key)  # promote it: a layer waits for it now
-                if self._per_expert:
-                    self._expose_per_expert(event, plan, by_proj)
                 layers.send_nowait(LayerReads(event, plan, by_proj, issued_at))
                 if event.ahead is not None:
                     self._speculate([event.ahead], {(event.layer, e) for e in event.experts}, reads)
                 if self._lookahead and event.phase == PHASE_DECODE:
                     self._read_ahead(event, reads)
-                if self._per_expert:  # only now: read-ahead may have evicted
-                    event.planned.set_result(None)
+                self._planned(event, plan, by_proj)  # only now: read-ahead may have evicted
         finally:
             reads.close()
             layers.close()
@@ -181,16 +173,9 @@ class PrefetchStage:
         reads.send_nowait((request, fut))
         return fut
 
-    def _expose_per_expert(self, event: RoutingEvent, plan: Plan, by_proj: list[list[asyncio.Future[int]]]) -> None:
-        for p in range(len(by_proj)):
-            for e in plan.hits + plan.misses:
-                ready: concurrent.futures.Future[None] = concurrent.futures.Future()
-                inflight = self._board.future(ExpertKey(plan.layer, p, e))
-                if inflight is not None:
-                    inflight.add_done_callback(partial(_mirror, ready))
-                else:
-                    ready.set_result(None)
-                event.expert_ready[p, e] = ready
+    def _planned(self, event: RoutingEvent, plan: Plan, by_proj: list[list[asyncio.Future[int]]]) -> None:
+        """A layer's reads and read-ahead are issued (a replay's per-expert overlap publishes its
+        slices here; a live run has nothing more to do)."""
 
     def _order(self, layer: int, n_proj: int) -> tuple[int, ...]:
         return self._consumption.get(layer) or tuple(range(n_proj))
@@ -204,11 +189,3 @@ class PrefetchStage:
 
         return done
 
-
-def _mirror(ready: concurrent.futures.Future[None], fut: asyncio.Future[int]) -> None:
-    if ready.done():
-        return
-    if fut.cancelled() or fut.exception() is not None:
-        ready.set_exception(fut.exception() if not fut.cancelled() else ReadError("read cancelled"))
-    else:
-        ready.set_result(None)
