@@ -121,7 +121,7 @@ class GenerationCancelled(DecodeAbortedError):
 def as_bmoe_error(exc: BaseException, cls: type[BmoeError], what: str) -> BmoeError:
     """``exc`` itself if it is a bmoe error; else a ``cls`` that says ``what`` failed and keeps the
     foreign exception as its cause. The one mapping every adapter applies where foreign errors
-    enter (the eval callback, the user-open filler, the bind stage), so the cause is never lost."""
+    enter (the eval callback, the user-open filler, the ready stage), so the cause is never lost."""
     if isinstance(exc, BmoeError):
         return exc
     wrapped = cls(f"{what}: {exc!r}")

@@ -114,7 +114,7 @@ def test_a_late_failure_of_an_abandoned_read_leaves_the_newer_copy_alone() -> No
         (old_request, old), _, (new_request, new) = [item async for item in reads]
         assert old_request.speculative and not new_request.speculative
         board.complete(new_request.key, new, new_request.nbytes, None)
-        residency.maps[1][5] = True  # what the bind stage does once the read landed
+        residency.maps[1][5] = True  # what the ready stage does once the read landed
         board.complete(old_request.key, old, None, ReadError("the abandoned read failed late"))
         await asyncio.sleep(0)
 

@@ -7,6 +7,7 @@ import io
 import numpy as np
 import pytest
 
+from bmoe.pipeline.boundary import FastPath
 from bmoe.pipeline.cache import ExpertCache
 from bmoe.pipeline.events import routed_set
 from bmoe.pipeline.gate import RoutingGate
@@ -25,10 +26,9 @@ def test_routed_set_gives_each_expert_its_best_rank() -> None:
 
 
 def test_the_gate_hands_ranks_on_both_paths() -> None:
-    gate = RoutingGate()
-    gate.set_resident_maps([np.ones(16, dtype=bool)])
+    gate = RoutingGate(fast_path=FastPath.over([np.ones(16, dtype=bool)]))
     gate.route(0, np.array([[9, 2, 4]], dtype=np.int32))  # all resident: the fast path
-    layer, experts, ranks = gate.fast_hits.popleft()
+    layer, experts, ranks = gate.fast_path.hits.popleft()
     assert (layer, experts.tolist(), ranks.tolist()) == (0, [2, 4, 9], [1, 2, 0])
 
 

@@ -19,11 +19,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from bmoe.errors import DecodeAbortedError, as_bmoe_error
+from bmoe.errors import BmoeError, DecodeAbortedError, as_bmoe_error
 from bmoe.io.ggml import NAME_OFFSET, SRC_OFFSET, GgmlTensor
+from bmoe.pipeline.boundary import RoutePredictor, WeightsTap
 from bmoe.pipeline.events import PHASE_DECODE
 from bmoe.pipeline.gate import RoutingGate
-from bmoe.stages.predict import Predictor
 
 _u64 = ctypes.c_uint64.from_address
 _ptr = ctypes.c_void_p.from_address
@@ -79,7 +79,13 @@ class Consumption:
 
 
 class EvalCallback:
-    """Owns the ctypes callback objects for a context's lifetime (they must outlive it)."""
+    """Owns the ctypes callback objects for a context's lifetime (they must outlive it).
+
+    Two lives, in this order. Warm-up (and resident runs): filters every node, shows MoE nodes to
+    a ``capture`` visitor while one is set, and answers aborts from ``gate``. Streaming, from the
+    one call to ``stream``: serves routing through the streamer's gate in the run's modes. The
+    modes cannot come at construction: llama.cpp takes the function when the context is made, and
+    overlap's wait points are found by a warm-up decode through this very callback."""
 
     def __init__(self, gate: RoutingGate) -> None:
         self.c_eval = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p)(
@@ -89,12 +95,24 @@ class EvalCallback:
         self.gate = gate
         self.streaming = False
         self.capture: Capture | Consumption | None = None  # warm-up visitors
+        # Copied out of the modes by ``stream``: the node function reads plain attributes.
         # Route traces only: the routed experts' router probabilities, per layer (tokens x k).
-        self.weights_tap: Callable[[int, np.ndarray], None] | None = None
+        self.weights_tap: WeightsTap | None = None
         # Overlap only: node name -> (layer, projection to wait for once that node has run).
         self.wait_after: dict[bytes, tuple[int, int]] | None = None
         # Predictive read-ahead only: predicts the next layer's experts from a router input.
-        self.predictor: Predictor | None = None
+        self.predictor: RoutePredictor | None = None
+
+    def stream(self, gate: RoutingGate) -> None:
+        """Start streaming through ``gate``, in the modes it was made with (once per callback)."""
+        if self.streaming:
+            raise BmoeError("the eval callback already streams")
+        modes = gate.modes
+        self.gate = gate
+        self.weights_tap = modes.weights_tap
+        self.wait_after = dict(modes.overlap.wait_after) if modes.overlap is not None else None
+        self.predictor = modes.predictor
+        self.streaming = True
 
     @property
     def error(self) -> BaseException | None:

@@ -84,7 +84,7 @@ class DropCold:
         self.tokens = 0  # tokens decided on (counted at the first MoE layer)
 
     def bind(self, resident_maps: list[np.ndarray]) -> None:
-        """The per-layer resident maps the bind stage keeps (``Residency.maps``)."""
+        """The per-layer resident maps the ready stage keeps (``FastPath.resident``)."""
         self._resident = resident_maps
 
     def counters(self) -> dict[str, object]:
@@ -151,6 +151,10 @@ class DropColdCallback(EvalCallback):
         self.c_eval = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p)(
             self._eval_drop
         )
+
+    def stream(self, gate: RoutingGate) -> None:
+        super().stream(gate)
+        self.drop.bind(gate.fast_path.resident)
 
     def _eval_drop(self, node: int, ask: bool, data: int | None) -> bool:
         try:

@@ -2,7 +2,7 @@
 
 Which cache size does a model need here, and what would a better policy buy? A replay answers
 without running the model: every layer event of a route trace goes through the same routing gate,
-prefetch (the cache and its policy), read lanes and bind stage a live run uses; only the compute
+prefetch (the cache and its policy), read lanes and ready stage a live run uses; only the compute
 is modelled, as a sleep on the compute thread (the trace's own per-layer timings when it has
 them, else a fixed time per layer), and with ``io="sim"`` the reads are modelled too, from a
 probe of this machine's disk at the trace's expert size. Counts (hits, bytes) are deterministic;
@@ -28,12 +28,14 @@ from pathlib import Path
 
 import numpy as np
 
-from bmoe.engine.streaming import Streamer, open_reader, recycling_fits
+from bmoe.engine.per_expert import PerExpertGate, PerExpertPrefetch
+from bmoe.engine.streaming import Streamer, StreamParts, open_reader, recycling_fits
 from bmoe.errors import BmoeError, DecodeAbortedError
 from bmoe.io.direct import ShardReader
 from bmoe.io.layout import ModelLayout
 from bmoe.io.probe import ProbeResult, SimReader, cached_probe
 from bmoe.io.recipes import recipe_for
+from bmoe.pipeline.boundary import ComputeModes, OverlapPlan
 from bmoe.pipeline.budget import Budget
 from bmoe.pipeline.cache import ExpertCache
 from bmoe.pipeline.events import PHASE_DECODE
@@ -121,6 +123,7 @@ def _modelled_decode(
                         gate.wait_proj(ev.layer, p)
                     clock.work(part)
             elif overlap == "expert":
+                assert isinstance(gate, PerExpertGate)
                 experts = sorted(set(ev.experts))
                 for p in range(n_proj):
                     for e in experts:
@@ -274,7 +277,8 @@ async def replay(
 ) -> ReplayResult:
     """One replay at one budget with one policy; reads from ``model`` (real) or modelled (sim)."""
     events = trace.layer_events()
-    gate = RoutingGate()
+    if overlap not in OVERLAP_MODES:
+        raise BmoeError(f"overlap must be one of {', '.join(OVERLAP_MODES)}, got {overlap!r}")
     if model is not None:
         entry = check_layout(trace, model)
         residency: Residency | SimResidency = Residency(model, None, recycle=recycling_fits(model, budget_bytes))
@@ -287,15 +291,14 @@ async def replay(
         reader = SimReader(probe)
         io = reader.mode
     cache = ExpertCache(budget_bytes, entry, make_policy(policy, future=[(e.layer, e.experts) for e in events]))
-    streamer = Streamer(residency, reader, cache, gate, Hooks(), io_threads, Budget(budget_bytes, "replay"))
     n_proj = residency.n_proj(trace.moe_layers[0])
-    if overlap == "tensor":
-        gate.first_proj = {il: 0 for il in trace.moe_layers}
-        gate.last_proj = {il: n_proj - 1 for il in trace.moe_layers}
-    elif overlap == "expert":
-        gate.per_expert = streamer.prefetch.per_expert = True
-    elif overlap != "none":
-        raise BmoeError(f"overlap must be one of {', '.join(OVERLAP_MODES)}, got {overlap!r}")
+    modes = ComputeModes(overlap=OverlapPlan.in_order(trace.moe_layers, n_proj) if overlap == "tensor" else None)
+    parts = StreamParts(residency, reader, cache, Budget(budget_bytes, "replay"))
+    if overlap == "expert":
+        streamer = Streamer(parts, Hooks(), io_threads, modes, gate_type=PerExpertGate, prefetch_type=PerExpertPrefetch)
+    else:
+        streamer = Streamer(parts, Hooks(), io_threads, modes)
+    gate = streamer.gate
     stage = ComputeStage(_modelled_decode(gate, compute, overlap, n_proj), gate.arm, gate.disarm, gate.abort)
     hits = [0, 0]
     misses = [0, 0]

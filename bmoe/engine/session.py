@@ -22,7 +22,6 @@ import numpy as np
 
 from bmoe.engine.callback import Capture, Consumption, EvalCallback
 from bmoe.engine.config import RunConfig
-from bmoe.engine.drop_cold import DropColdCallback
 from bmoe.engine.isolate import check_first_open
 from bmoe.engine.loader import OpenedModel, capture_weights, open_model
 from bmoe.engine.lossy import load_overrides, lossy_callback
@@ -30,7 +29,7 @@ from bmoe.engine.prefill import prefill_batches
 from bmoe.engine.sampling import GREEDY, Sampler, SamplingParams, TokenLogprob, logprobs_of
 from bmoe.engine.seam import LlamaModel
 from bmoe.engine.stops import StopStrings
-from bmoe.engine.streaming import Streamer
+from bmoe.engine.streaming import Streamer, StreamParts
 from bmoe.errors import (
     BmoeError,
     ConfigError,
@@ -51,6 +50,7 @@ from bmoe.metrics.tokens import ProcessSample, TokenMetrics, rss_bytes
 from bmoe.pipeline.events import PHASE_DECODE, PHASE_PREFILL
 from bmoe.pipeline.gate import RoutingGate
 from bmoe.pipeline.hooks import Hooks
+from bmoe.pipeline.boundary import ComputeModes, OverlapPlan
 from bmoe.pipeline.pressure import PressureGuard
 from bmoe.stages.compute import ComputeStage
 from bmoe.stages.dense import AnonDense
@@ -164,33 +164,32 @@ class Session:
         opened = open_model(
             layout, streaming=streaming, mode=config.open_mode if streaming else "mmap", mparams=overrides.params,
         )
-        gate = RoutingGate()
+        gate = RoutingGate()  # warm-up and resident runs; a streamed run routes through the streamer's
         callback = lossy_callback(gate, layout, config) or EvalCallback(gate)
         model = LlamaModel(
             opened, n_ctx=config.n_ctx, n_threads=config.threads, callback=callback,
             install=streaming or config.eval_filter,
         )
-        streamer = dense = recorder = None
+        streamer = parts = dense = recorder = None
         try:
             if streaming:
                 tensors = opened.expert_tensors(layout) or _capture_experts(model, callback)
                 check_live_tensor(next(iter(tensors.values())))
                 if opened.open_mode == "mmap-drop":
                     release_file_pages(layout, mapping_spans(layout, tensors))
-                streamer = Streamer.live(layout, tensors, config, callback.gate, hooks or Hooks(),
-                                         dense_in_file=opened.open_mode != "user", n_batch=model.n_batch)
-                if config.overlap:
-                    _plan_overlap(model, callback, layout, tensors, streamer)
-                if config.predict_prefetch:
-                    predictor = Predictor(load_routers(layout), layout.n_expert_used)
-                    callback.predictor = streamer.prefetch.predictor = predictor
-                if isinstance(callback, DropColdCallback):
-                    callback.drop.bind(streamer.residency.maps)
-                callback.streaming = True
+                parts = StreamParts.live(layout, tensors, config, dense_in_file=opened.open_mode != "user",
+                                         n_batch=model.n_batch)
+                overlap = _plan_overlap(model, callback, layout, tensors) if config.overlap else None
+                predictor = Predictor(load_routers(layout), layout.n_expert_used) if config.predict_prefetch else None
                 if config.route_trace is not None:
-                    recorder = RouteRecorder(config.route_trace, layout, _run_line(config, streamer))
-                    callback.gate.tap = recorder.tap
-                    callback.weights_tap = recorder.tap_weights
+                    recorder = RouteRecorder(config.route_trace, layout, _run_line(config, parts))
+                modes = ComputeModes(
+                    overlap=overlap, predictor=predictor, lookahead=config.prefetch_layers,
+                    tap=recorder.tap if recorder is not None else None,
+                    weights_tap=recorder.tap_weights if recorder is not None else None,
+                )
+                streamer = Streamer(parts, hooks or Hooks(), config.io_threads, modes)
+                callback.stream(streamer.gate)
             if config.dense_weights == "anon":
                 dense = _anon_dense(layout, opened, model, config)
         except BaseException:
@@ -198,6 +197,8 @@ class Session:
                 recorder.close()
             if streamer is not None:
                 streamer.close()
+            elif parts is not None:
+                parts.close()
             model.close()
             raise
         session = cls(layout, config, model, callback, opened, streamer, dense)
@@ -487,7 +488,7 @@ class Session:
             stats.budget_bytes_end = self.budget_bytes
             moves = self._streaming.budget_changes  # type: ignore[union-attr]
             stats.budget_changes = [c.as_dict() for c in moves[len(moves) - (end - start).budget_changes:]]
-            predictor = self._streaming.prefetch.predictor if self._streaming else None
+            predictor = self._streaming.modes.predictor if self._streaming else None
             if predictor is not None:
                 stats.predict_accuracy_pct = predictor.accuracy_pct()
 
@@ -628,36 +629,34 @@ class Session:
 
 
 def _plan_overlap(
-    model: LlamaModel, callback: EvalCallback, layout: ModelLayout,
-    tensors: dict[tuple[int, str], int], streamer: Streamer,
-) -> None:
-    """Find, from a one-token warm-up graph, where each layer consumes each expert projection, and
-    set the wait points: at routing, the first consumed; after each consuming node, the next."""
+    model: LlamaModel, callback: EvalCallback, layout: ModelLayout, tensors: dict[tuple[int, str], int],
+) -> OverlapPlan:
+    """Find, from a one-token warm-up graph (the regions bound: a reserved open has nothing else
+    behind its expert tensors), where each layer consumes each expert projection: the wait points
+    are, at routing, the first consumed; after each consuming node, the next."""
     proj_of = {}
     for (layer, suffix), addr in tensors.items():
         suffixes = [et.suffix for et in layout.layer_experts(layer)]
         proj_of[addr] = (layer, suffixes.index(suffix))
     found = Consumption(proj_of)
     _warm_up(model, callback, found)
+    consumption: dict[int, tuple[int, ...]] = {}
     wait_after: dict[bytes, tuple[int, int]] = {}
-    gate = callback.gate
-    gate.first_proj, gate.last_proj = {}, {}
     for layer in layout.moe_layers:
         order = found.order.get(layer, [])
         if len(order) != len(layout.layer_experts(layer)):
             raise SeamMismatchError(f"overlap: could not find where layer {layer} consumes its experts")
-        gate.first_proj[layer], gate.last_proj[layer] = order[0][1], order[-1][1]
+        consumption[layer] = tuple(p for _, p in order)
         for (name, _), (_, nxt) in zip(order, order[1:]):
             wait_after[name] = (layer, nxt)
-        streamer.prefetch.consumption[layer] = tuple(p for _, p in order)
-    callback.wait_after = wait_after
+    return OverlapPlan(consumption, wait_after)
 
 
-def _run_line(config: RunConfig, streamer: Streamer) -> dict[str, object]:
+def _run_line(config: RunConfig, parts: StreamParts) -> dict[str, object]:
     """How the traced run was made, for the trace's ``# run`` line."""
     return {
-        "engine": "bmoe", "cache_bytes": streamer.cache.budget_bytes, "policy": streamer.cache.policy_name,
-        "io_threads": config.io_threads, "io": streamer.reader.mode, "threads": config.threads,
+        "engine": "bmoe", "cache_bytes": parts.cache.budget_bytes, "policy": parts.cache.policy_name,
+        "io_threads": config.io_threads, "io": parts.reader.mode, "threads": config.threads,
     }
 
 

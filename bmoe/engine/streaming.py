@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from bmoe.engine.config import RunConfig
 from bmoe.errors import BudgetError
@@ -26,16 +26,18 @@ from bmoe.metrics.stats import Counters
 from bmoe.pipeline.budget import Budget, Needs, needs_from, parse_smaps, read_meminfo, resolve_budget, transient_bytes
 from bmoe.pipeline.cache import ExpertCache
 from bmoe.pipeline.channel import Channel
-from bmoe.pipeline.events import RoutingEvent
+from bmoe.pipeline.events import GateItem, ReadItem
 from bmoe.pipeline.gate import RoutingGate
 from bmoe.pipeline.hooks import Hooks
+from bmoe.pipeline.boundary import SERIAL, ComputeModes, FastPath
 from bmoe.pipeline.policies import make_policy
 from bmoe.pipeline.pressure import BudgetChange, GuardSettings, PressureGuard
 from bmoe.pipeline.profile import load_profile, save_profile
 from bmoe.pipeline.readiness import ReadinessBoard
-from bmoe.stages.bind import BindStage, Residency, SimResidency
+from bmoe.stages.bind import Residency, SimResidency
 from bmoe.stages.prefetch import PrefetchStage
 from bmoe.stages.read import Reader, ReadStage
+from bmoe.stages.ready import LayerReads, ReadyStage
 
 
 def open_reader(layout: ModelLayout, direct: bool) -> ShardReader:
@@ -81,39 +83,26 @@ def measure_needs(
                       transient=transient, mem_total=mem_total)
 
 
-class Streamer:
-    """Owns what streaming needs; ``close`` restores llama.cpp's expert pointers first.
+@dataclass(eq=False)
+class StreamParts:
+    """The memory and I/O side of streaming, made before any stage: the expert regions (bound:
+    llama.cpp's expert tensors point at them from now on), the reader, the cache and its budget.
 
-    Built from parts so that a trace replay runs the very same stages over a simulated residency
-    and reader; ``Streamer.live`` builds the parts of a live session.
-    """
+    Made apart from the stages so that a session can settle the run's modes in between: overlap's
+    wait points come from a warm-up decode, which needs the regions bound, and a route trace's run
+    line names the budget and the reader. A trace replay makes its own, simulated or not."""
 
-    def __init__(
-        self, residency: Residency | SimResidency, reader: Reader, cache: ExpertCache, gate: RoutingGate,
-        hooks: Hooks, io_threads: int, budget: Budget, guard: PressureGuard | None = None,
-    ) -> None:
-        self.residency = residency
-        self.reader = reader
-        self.cache = cache
-        self.budget = budget
-        self.lanes = ThreadPoolExecutor(io_threads, thread_name_prefix="bmoe-io")
-        self.board = ReadinessBoard()
-        self.prefetch = PrefetchStage(cache, residency, self.board, gate.fast_hits, hooks)
-        self.read = ReadStage(reader, self.lanes, io_threads, self.board, hooks)
-        self.bind = BindStage(residency)
-        self._gate = gate
-        self.trim_s = 0.0
-        self.guard = guard
-        self.budget_changes: list[BudgetChange] = []
-        self.prefetch.between_layers = self.tick
-        gate.set_resident_maps(residency.maps)
-        residency.bind()
+    residency: Residency | SimResidency
+    reader: Reader
+    cache: ExpertCache
+    budget: Budget
+    guard: PressureGuard | None = None
 
     @classmethod
     def live(
-        cls, layout: ModelLayout, tensors: dict[tuple[int, str], int], config: RunConfig,
-        gate: RoutingGate, hooks: Hooks, *, dense_in_file: bool = True, n_batch: int = 512,
-    ) -> Streamer:
+        cls, layout: ModelLayout, tensors: dict[tuple[int, str], int], config: RunConfig, *,
+        dense_in_file: bool = True, n_batch: int = 512,
+    ) -> StreamParts:
         """``dense_in_file``: the dense weights live in llama.cpp's file mapping (or are still to be
         copied), not in anonymous memory the open already filled."""
         meminfo = read_meminfo()
@@ -145,24 +134,60 @@ class Streamer:
         except BaseException:
             residency.close()
             raise
-        streamer = cls(residency, reader, cache, gate, hooks, config.io_threads, budget, guard)
-        streamer.prefetch.lookahead = config.prefetch_layers
-        return streamer
+        residency.bind()
+        return cls(residency, reader, cache, budget, guard)
+
+    def close(self) -> None:
+        """Restore llama.cpp's expert pointers, free the regions, close the reader."""
+        self.residency.close()
+        self.reader.close()
+
+
+class Streamer:
+    """Owns what streaming needs; ``close`` restores llama.cpp's expert pointers first.
+
+    Built from parts so that a trace replay runs the very same stages over a simulated residency
+    and reader. ``modes`` are the run's, fixed for its life: the routing gate (``gate``, which the
+    compute side routes through) and the prefetch stage are made from them. ``gate_type`` and
+    ``prefetch_type``: a replay's modelled per-expert overlap brings its own
+    (``bmoe.engine.per_expert``).
+    """
+
+    def __init__(
+        self, parts: StreamParts, hooks: Hooks, io_threads: int, modes: ComputeModes = SERIAL, *,
+        gate_type: type[RoutingGate] = RoutingGate, prefetch_type: type[PrefetchStage] = PrefetchStage,
+    ) -> None:
+        self.residency = residency = parts.residency
+        self.reader = parts.reader
+        self.cache = cache = parts.cache
+        self.budget = parts.budget
+        self.guard = parts.guard
+        self.modes = modes
+        fast_path = FastPath.over(residency.maps)
+        self.gate = gate_type(modes, fast_path)
+        self.lanes = ThreadPoolExecutor(io_threads, thread_name_prefix="bmoe-io")
+        self.board = ReadinessBoard()
+        self.prefetch = prefetch_type(cache, residency, self.board, fast_path.hits, hooks, modes,
+                                      between_layers=self.tick)
+        self.read = ReadStage(self.reader, self.lanes, io_threads, self.board, hooks)
+        self.ready = ReadyStage(residency)
+        self.trim_s = 0.0
+        self.budget_changes: list[BudgetChange] = []
 
     def counters(self) -> Counters:
         c = self.cache
         return Counters(
             self.read.counters.slices, self.read.counters.bytes_read, self.read.counters.busy_s,
-            self.bind.read_wall_s, self._gate.blocked_s, self.prefetch.cache_s + self.trim_s,
+            self.ready.read_wall_s, self.gate.blocked_s, self.prefetch.cache_s + self.trim_s,
             c.misses, c.hits, c.evictions,
             self.read.counters.speculative_bytes, c.speculated, c.speculation_useful,
             self.residency.recycled_bytes, len(self.budget_changes),
         )
 
-    def serve(self, events: Channel[RoutingEvent]) -> list:
-        reads: Channel = Channel()
-        binds: Channel = Channel()
-        return [self.prefetch.run(events, reads, binds), self.read.run(reads), self.bind.run(binds)]
+    def serve(self, events: Channel[GateItem]) -> list:
+        reads: Channel[ReadItem] = Channel()
+        layers: Channel[LayerReads] = Channel()
+        return [self.prefetch.run(events, reads, layers), self.read.run(reads), self.ready.run(layers)]
 
     def end_step(self) -> None:
         """Between decode steps: account fast-path hits, let the guard move the budget, and evict
@@ -189,7 +214,7 @@ class Streamer:
         change = guard.poll(self.cache.budget_bytes, self.cache.resident_bytes)
         if change is None:
             return
-        self.budget_changes.append(replace(change, step=self._gate.step))
+        self.budget_changes.append(replace(change, step=self.gate.step))
         self.prefetch.evict(self.cache.set_budget(change.new))
 
     def set_budget(self, budget_bytes: int) -> None:

@@ -3,13 +3,18 @@
 A RoutingEvent is born on the compute thread (inside the eval callback) and crosses to the event
 loop; its ``reply`` is the one object both sides touch, a thread-safe future the callback blocks on
 until the layer's bytes are in place (or an error says they never will be).
+
+The channels' item types, named at the end: ``GateItem`` (gate -> prefetch: a layer to serve, or
+a prediction to read ahead) and ``ReadItem`` (prefetch -> read: a ``ReadJob`` to queue, or a
+``Promotion`` of a queued speculative read a layer now waits for).
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeAlias
 
 import numpy as np
 
@@ -40,11 +45,6 @@ class RoutingEvent:
     proj_ready: tuple[concurrent.futures.Future[None], ...] = field(
         default_factory=lambda: tuple(concurrent.futures.Future() for _ in range(MAX_PROJ))
     )
-
-    # Modelled per-expert overlap (replay only): set once ``expert_ready`` holds a future per
-    # (projection, expert), each set when that one slice is in place.
-    planned: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
-    expert_ready: dict[tuple[int, int], concurrent.futures.Future[None]] = field(default_factory=dict)
     # A prediction made before this layer routed: (later layer, its expected experts), read ahead
     # once this layer's own reads are issued. Riding on the event saves the loop a round trip.
     ahead: tuple[int, tuple[int, ...]] | None = None
@@ -53,7 +53,7 @@ class RoutingEvent:
     ranks: tuple[int, ...] | None = None
 
     def fail(self, error: BaseException) -> None:
-        for fut in (*self.proj_ready, self.reply, self.planned, *self.expert_ready.values()):
+        for fut in (*self.proj_ready, self.reply):
             if not fut.done():
                 fut.set_exception(error)
 
@@ -94,3 +94,12 @@ class ReadRequest:
     nbytes: int
     dest: int
     speculative: bool = False
+
+
+# gate -> prefetch: a routed layer in need of reads, or a prediction to read ahead.
+GateItem: TypeAlias = RoutingEvent | ReadAhead
+# prefetch -> read: one read with the readiness future its completion resolves ...
+ReadJob: TypeAlias = tuple[ReadRequest, asyncio.Future[int]]
+# ... or a key alone: its speculative read, if still queued, is needed by a layer now.
+Promotion: TypeAlias = ExpertKey
+ReadItem: TypeAlias = ReadJob | Promotion

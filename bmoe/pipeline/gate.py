@@ -13,53 +13,54 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from collections import deque
-from collections.abc import Callable
 
 import numpy as np
 
 from bmoe.errors import DecodeAbortedError
+from bmoe.pipeline.boundary import SERIAL, ComputeModes, FastPath
 from bmoe.pipeline.channel import Channel
-from bmoe.pipeline.events import PHASE_DECODE, ReadAhead, RoutingEvent, routed_set
-
-# Called on the compute thread for every routed layer once it is served, when set (route traces):
-# step, phase, layer, the routed ids (rows x k), the layer's unique experts, which of them were
-# resident beforehand, and the seconds the thread waited for the rest.
-Tap = Callable[[int, int, int, np.ndarray, np.ndarray, np.ndarray, float], None]
+from bmoe.pipeline.events import (
+    PHASE_DECODE,
+    GateItem,
+    ReadAhead,
+    RoutingEvent,
+    routed_set,
+)
 
 
 class RoutingGate:
-    def __init__(self) -> None:
-        self._resident: list[np.ndarray] = []
+    """``modes`` fixes, for the gate's life, where routing waits and what observes it;
+    ``fast_path`` is what it shares with the loop (none: a gate that never routes, for warm-up
+    and resident runs)."""
+
+    # What a routing that misses posts; a replay's modelled per-expert overlap posts its own.
+    event_type: type[RoutingEvent] = RoutingEvent
+
+    def __init__(self, modes: ComputeModes = SERIAL, fast_path: FastPath | None = None) -> None:
+        self.fast_path = fast_path if fast_path is not None else FastPath.over([])
+        self._resident = self.fast_path.resident
+        self._fast_hits = self.fast_path.hits  # accounted by the cache writer on the loop thread
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._events: Channel[RoutingEvent] | None = None
+        self._events: Channel[GateItem] | None = None
         self._pending: set[RoutingEvent] = set()
         self.error: BaseException | None = None
         self.aborting = False
         self.step = 0
         self.phase = PHASE_DECODE
-        # Layers served by the fast path, for the cache writer to account on the loop thread:
-        # (layer, unique experts, their best router ranks).
-        self.fast_hits: deque[tuple[int, np.ndarray, np.ndarray]] = deque()
         self.blocked_s = 0.0  # compute thread time spent waiting for the pipeline
-        self.tap: Tap | None = None
+        self.modes = modes
+        # Copied out of ``modes``: ``route`` reads plain attributes, one lookup each.
+        self._tap = modes.tap
         # Overlap: per layer, the projection to wait for at routing (the first one consumed); the
         # rest are waited for by ``wait_proj`` at the matmul nodes. None: serial, wait for all.
-        self.first_proj: dict[int, int] | None = None
-        self.last_proj: dict[int, int] = {}
-        # Modelled per-expert overlap (replay): routing returns once the layer is planned, and the
-        # compute waits slice by slice with ``wait_expert``.
-        self.per_expert = False
+        self._first_proj = modes.overlap.first_proj() if modes.overlap is not None else None
+        self._last_proj = modes.overlap.last_proj() if modes.overlap is not None else {}
         self._open: dict[int, RoutingEvent] = {}
         # Predictive read-ahead: a prediction waiting for the next routing event to carry it.
         self._ahead: tuple[int, tuple[int, ...]] | None = None
 
-    def set_resident_maps(self, maps: list[np.ndarray]) -> None:
-        """Per layer, a bool per expert that the bind stage keeps true while its bytes are in place."""
-        self._resident = maps
-
     def arm(
-        self, loop: asyncio.AbstractEventLoop, events: Channel[RoutingEvent] | None, step: int, phase: int
+        self, loop: asyncio.AbstractEventLoop, events: Channel[GateItem] | None, step: int, phase: int
     ) -> None:
         """Prepare for one decode call: where to send events (None: nothing streams), which step."""
         self._loop, self._events = loop, events
@@ -90,35 +91,42 @@ class RoutingGate:
         resident = self._resident[layer][experts]
         ahead, self._ahead = self._ahead, None
         if resident.all():
-            self.fast_hits.append((layer, experts, ranks))
-            if self.tap is not None:
-                self.tap(self.step, self.phase, layer, rows, experts, resident, 0.0)
+            self._fast_hits.append((layer, experts, ranks))
+            if self._tap is not None:
+                self._tap(self.step, self.phase, layer, rows, experts, resident, 0.0)
             if ahead is not None:
                 self._read_ahead(*ahead, frozenset((layer, e) for e in experts.tolist()))
             return
         loop, events = self._loop, self._events
         if loop is None or events is None:
             raise DecodeAbortedError("routing event outside an armed decode")
-        event = RoutingEvent(layer, tuple(experts.tolist()), self.step, self.phase, ahead=ahead,
-                             ranks=tuple(ranks.tolist()))
+        event = self.event_type(layer, tuple(experts.tolist()), self.step, self.phase, ahead=ahead,
+                                ranks=tuple(ranks.tolist()))
         self._pending.add(event)
         t0 = time.perf_counter()
-        first = self.first_proj.get(layer) if self.first_proj is not None else None
-        gate_on = event.planned if self.per_expert else event.reply if first is None else event.proj_ready[first]
+        gate_on, keep_open = self._wait_point(event, layer)
         done = False
         try:
             if self.aborting:  # abort() ran before the event was registered: it saw no event
                 raise self.error or DecodeAbortedError("decode aborted")
             loop.call_soon_threadsafe(events.send_nowait, event)
             waited = self._wait(gate_on, t0)
-            done = first is None and not self.per_expert
+            done = not keep_open
         finally:
             if done or self.aborting:
                 self._pending.discard(event)
             else:
                 self._open[layer] = event
-        if self.tap is not None:
-            self.tap(self.step, self.phase, layer, rows, experts, resident, waited)
+        if self._tap is not None:
+            self._tap(self.step, self.phase, layer, rows, experts, resident, waited)
+
+    def _wait_point(self, event: RoutingEvent, layer: int) -> tuple[concurrent.futures.Future[None], bool]:
+        """What a missed layer's routing waits for, and whether the layer stays open for waits
+        later in its compute (overlap: the first projection consumed; serial: every byte)."""
+        first = self._first_proj.get(layer) if self._first_proj is not None else None
+        if first is None:
+            return event.reply, False
+        return event.proj_ready[first], True
 
     def wait_proj(self, layer: int, proj: int) -> None:
         """Overlap: block until projection ``proj`` of the layer's routed experts is in place."""
@@ -128,7 +136,7 @@ class RoutingGate:
         try:
             self._wait(event.proj_ready[proj], time.perf_counter())
         finally:
-            if proj == self.last_proj.get(layer) or self.aborting:
+            if proj == self._last_proj.get(layer) or self.aborting:
                 del self._open[layer]
                 self._pending.discard(event)
 
@@ -150,18 +158,6 @@ class RoutingGate:
         t0 = time.perf_counter()
         loop.call_soon_threadsafe(events.send_nowait, ahead)
         self._wait(ahead.planned, t0)
-
-    def wait_expert(self, layer: int, proj: int, expert: int) -> None:
-        """Modelled per-expert overlap: block until one slice of the layer is in place."""
-        event = self._open.get(layer)
-        if event is None:
-            return
-        self._wait(event.expert_ready[proj, expert], time.perf_counter())
-
-    def close_layer(self, layer: int) -> None:
-        event = self._open.pop(layer, None)
-        if event is not None:
-            self._pending.discard(event)
 
     def _wait(self, fut: concurrent.futures.Future[None], since: float) -> float:
         """Block on ``fut`` (raising its error), counting the time since ``since`` as blocked."""

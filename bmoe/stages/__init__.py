@@ -1,11 +1,13 @@
 """The pipeline stages, and one decode step through them.
 
 Modules: ``prefetch`` (the plan: hits, misses, evictions, read-ahead; the only writer of cache
-state), ``read`` (I/O lanes doing positioned reads), ``bind`` (regions the expert tensors point at,
-and the wait that releases a layer to compute), ``compute`` (the decode driver on its own thread),
-``predict`` (the next layer's router applied early) and ``dense`` (dense weights copied out of the
-file mapping). ``bmoe.engine.streaming.Streamer`` builds them for a session; a trace replay builds
-the same stages over a simulated residency and reader.
+state), ``read`` (I/O lanes doing positioned reads, scheduled by ``ReadQueue``), ``ready`` (the
+wait that gives a layer back to compute once its bytes are in place), ``bind`` (regions the expert
+tensors point at), ``compute`` (the decode driver on its own thread), ``predict`` (the next
+layer's router applied early) and ``dense`` (dense weights copied out of the file mapping).
+``bmoe.engine.streaming.Streamer`` builds them for a session, with the gate, from one
+``ComputeModes`` value (``bmoe.pipeline.boundary``); a trace replay builds the same stages over a
+simulated residency and reader.
 
 One decode step (threads: the compute thread runs ``llama_decode``; the event loop runs the
 stage coroutines; the lane threads run the reads):
@@ -16,16 +18,18 @@ stage coroutines; the lane threads run the reads):
    the first 8 bytes of the name say whether it is a MoE node at all. At ``ffn_moe_topk-<il>`` the
    routed ids are read by strides and handed to the gate.
 3. gate (``bmoe.pipeline.gate.RoutingGate``, compute thread): if every routed expert of the layer is
-   resident (the per-layer resident map that bind keeps), return at once: no event, no hop. Else
-   post a ``RoutingEvent`` on the events channel and block on its reply.
+   resident (``FastPath.resident``, the per-layer map the ready stage keeps), return at once: no
+   event, no hop (the layer goes on ``FastPath.hits`` for the cache writer to account). Else
+   post a ``RoutingEvent`` on the events channel (``GateItem``s) and block on its reply.
 4. prefetch (``PrefetchStage``, loop): plans the event against the ``ExpertCache``: hits, misses,
    evictions (only now, while the compute thread waits, so no page goes away under a running
    matmul). Evicted experts' pages go to the misses (``Residency.reuse``) or back to the kernel;
    misses become ``ReadRequest``s, projection by projection in graph order, each with a readiness
    future; read-ahead for later layers is admitted after the real reads, never before them.
-5. read (``ReadStage``, loop + lanes): lanes take the requests in batches (real before speculative)
-   and read each slice straight into its region; each completion resolves its future.
-6. residency/bind (``BindStage``, loop): waits for the layer's futures (serial mode) or for the
+5. read (``ReadStage``, loop + lanes): lanes take the requests in batches (real before speculative:
+   ``ReadQueue``) and read each slice straight into its region; each completion resolves its
+   future.
+6. ready (``ReadyStage``, loop): waits for the layer's futures (serial mode) or for the
    projection the next matmul consumes (overlap mode), marks the experts resident in the map the
    gate reads, and replies.
 7. reply (gate -> callback, compute thread): the callback returns True and the expert matmuls run

@@ -1,12 +1,11 @@
-"""Bind: expert tensors point at reserved regions, and a layer is released to compute only when
-every byte it routes to is in place.
+"""Bind: expert tensors point at reserved regions that the pipeline fills.
 
 ``Residency`` owns the memory side: one reserved region per (layer, projection), expert ``e`` at
 ``base + e*stride`` so ``mul_mat_id`` indexes it unchanged; rebinding ``->data`` once at open and
 restoring the original pointers before the regions are freed; handing an evicted expert's pages to
 the experts about to be read, or releasing them; and the per-layer resident maps the eval
-callback's fast path reads. The bind stage waits for a layer's readiness futures, marks its
-experts resident and replies to the waiting callback.
+callback's fast path reads (``FastPath.resident``), which the ready stage (``ready``) sets once a
+layer's reads have landed.
 
 With the cache off for good (``shared``), every layer's tensors of one projection point into one
 shared slot region instead (``SlotView``: the layer's own offset mod 4096 inside it, so O_DIRECT
@@ -18,25 +17,21 @@ a fixed cost of one layer's expert bank at most.
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
-import time
 from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 
 import numpy as np
 
-from bmoe.errors import ReadError, SeamMismatchError, as_bmoe_error
+from bmoe.errors import SeamMismatchError
 from bmoe.io.direct import DIRECT_ALIGN
 from bmoe.io.ggml import GgmlTensor
 from bmoe.io.layout import ExpertTensor, ModelLayout
 from bmoe.io.regions import Region, map_count, map_count_limit, move_pages, release_pages
 
 MAP_CHECK_EVERY = 1024  # page moves between two counts of the process's mappings (~10 ms at 40 000)
-from bmoe.pipeline.cache import Entry, Plan
-from bmoe.pipeline.channel import Channel
-from bmoe.pipeline.events import ExpertKey, ReadRequest, RoutingEvent
+from bmoe.pipeline.cache import Entry
+from bmoe.pipeline.events import ExpertKey, ReadRequest
 
 
 class SlotView:
@@ -247,38 +242,3 @@ class SimResidency:
 
     def close(self) -> None:
         pass
-
-
-@dataclass(eq=False)
-class BindJob:
-    event: RoutingEvent
-    plan: Plan
-    by_proj: list[list[asyncio.Future[int]]]  # readiness futures, per projection
-    issued_at: float  # perf_counter when the layer's reads were issued
-
-
-class BindStage:
-    def __init__(self, residency: Residency) -> None:
-        self._residency = residency
-        # Summed per layer: from issuing its reads to the last one landing. Serial layers never
-        # overlap, so bytes over this is the engine's read bandwidth, all lanes together.
-        self.read_wall_s = 0.0
-
-    async def run(self, jobs: Channel[BindJob]) -> None:
-        async for job in jobs:
-            event = job.event
-            try:
-                for p, futures in enumerate(job.by_proj):
-                    await asyncio.gather(*futures)
-                    if not event.proj_ready[p].done():
-                        event.proj_ready[p].set_result(None)
-                if job.plan.misses:
-                    self.read_wall_s += time.perf_counter() - job.issued_at
-            except Exception as exc:  # noqa: BLE001 - delivered to the waiting compute thread
-                event.fail(as_bmoe_error(exc, ReadError, "expert read failed"))
-                continue
-            resident = self._residency.maps[job.plan.layer]
-            for e in job.plan.misses + job.plan.hits:
-                resident[e] = True
-            if not event.reply.done():
-                event.reply.set_result(None)

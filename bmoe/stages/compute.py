@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from bmoe.errors import GenerationCancelled
 from bmoe.pipeline.channel import Channel
-from bmoe.pipeline.events import RoutingEvent
+from bmoe.pipeline.events import GateItem
 
 DecodeFn = Callable[[list[int]], None]
 
@@ -20,7 +20,7 @@ class ComputeStage:
     def __init__(
         self,
         decode: DecodeFn,
-        arm: Callable[[asyncio.AbstractEventLoop, Channel[RoutingEvent] | None, int, int], None],
+        arm: Callable[[asyncio.AbstractEventLoop, Channel[GateItem] | None, int, int], None],
         disarm: Callable[[], None],
         abort: Callable[[BaseException], None],
     ) -> None:
@@ -33,7 +33,7 @@ class ComputeStage:
         tokens: list[int],
         step: int,
         phase: int,
-        serve: Callable[[Channel[RoutingEvent]], list] | None,
+        serve: Callable[[Channel[GateItem]], list] | None,
     ) -> None:
         """Decode one batch; ``serve`` starts the stage coroutines that answer its routing events."""
         loop = asyncio.get_running_loop()
@@ -44,7 +44,7 @@ class ComputeStage:
             finally:
                 self._disarm()
             return
-        events: Channel[RoutingEvent] = Channel()
+        events: Channel[GateItem] = Channel()
         self._arm(loop, events, step, phase)
         try:
             async with asyncio.TaskGroup() as tg:

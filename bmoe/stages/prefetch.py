@@ -1,6 +1,6 @@
 """Prefetch: the single writer of cache state. For each routing event it plans hits, misses and
 evictions, releases what is evicted, issues the misses as read requests (projection by projection,
-in the order the graph consumes them) and hands the layer's readiness futures to the bind stage;
+in the order the graph consumes them) and hands the layer's readiness futures to the ready stage;
 with read-ahead on, it also admits and reads experts a later layer is expected to route. It only
 evicts while the compute thread waits on it, so no page is released under a running matmul.
 """
@@ -8,29 +8,27 @@ evicts while the compute thread waits on it, so no page is released under a runn
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from functools import partial
 
-import numpy as np
-
-from bmoe.errors import ReadError
+from bmoe.pipeline.boundary import SERIAL, ComputeModes, FastHit
 from bmoe.pipeline.cache import ExpertCache, Plan
 from bmoe.pipeline.channel import Channel
 from bmoe.pipeline.events import (
     PHASE_DECODE,
     ExpertKey,
+    GateItem,
     ReadAhead,
+    ReadItem,
     ReadRequest,
     RoutingEvent,
 )
 from bmoe.pipeline.hooks import Hooks
 from bmoe.pipeline.readiness import ReadinessBoard
-from bmoe.stages.bind import BindJob, Residency
-from bmoe.stages.predict import Predictor
+from bmoe.stages.bind import Residency
+from bmoe.stages.ready import LayerReads
 
 
 class PrefetchStage:
@@ -39,8 +37,10 @@ class PrefetchStage:
         cache: ExpertCache,
         residency: Residency,
         board: ReadinessBoard,
-        fast_hits: deque[tuple[int, np.ndarray, np.ndarray]],
+        fast_hits: deque[FastHit],
         hooks: Hooks,
+        modes: ComputeModes = SERIAL,
+        between_layers: Callable[[], None] | None = None,
     ) -> None:
         self._cache = cache
         self._residency = residency
@@ -50,21 +50,19 @@ class PrefetchStage:
         self.cache_s = 0.0  # time spent planning and evicting: the cache writer's own cost
         # Per layer, projections in the order the graph consumes them (found at open); default:
         # the residency's order.
-        self.consumption: dict[int, tuple[int, ...]] = {}
-        # Replay of a per-expert readiness hook: publish one thread-safe future per slice.
-        self.per_expert = False
+        self._consumption = modes.overlap.consumption if modes.overlap is not None else {}
         # Temporal read-ahead: while a layer is served, read what the previous token routed at
         # the next ``lookahead`` MoE layers into the cache, on idle lanes, within the budget.
-        self.lookahead = 0
+        self._lookahead = modes.lookahead
         self._last: dict[int, tuple[int, ...]] = {}  # layer -> experts it routed last time
         self._moe_layers: list[int] = []
-        self.predictor: Predictor | None = None  # scored here against the real routing
+        self._predictor = modes.predictor  # scored here against the real routing
         # Admissions per entry: a failed read undoes only the admission it was issued for, never
         # a later one of the same expert read since.
         self._admissions: dict[tuple[int, int], int] = {}
         # Called at each routing event once earlier fast-path layers are accounted and before the
         # layer is planned (the pressure guard): no layer is pinned, the compute thread waits.
-        self.between_layers: Callable[[], None] | None = None
+        self._between_layers = between_layers
 
     def account_fast_hits(self) -> None:
         """Plan the layers the routing gate served alone because all were resident, in order: the
@@ -79,8 +77,8 @@ class PrefetchStage:
         plan = self._cache.plan(layer, routed, ranks)
         self.evict(plan.evictions, [(layer, e) for e in plan.misses])
         self._last[layer] = routed
-        if self.predictor is not None:
-            self.predictor.score(layer, routed)
+        if self._predictor is not None:
+            self._predictor.score(layer, routed)
         return plan
 
     def evict(self, entries: tuple[tuple[int, int], ...], admitted: Sequence[tuple[int, int]] = ()) -> None:
@@ -100,9 +98,9 @@ class PrefetchStage:
 
     async def run(
         self,
-        events: Channel[RoutingEvent],
-        reads: Channel[tuple[ReadRequest, asyncio.Future[int]]],
-        binds: Channel[BindJob],
+        events: Channel[GateItem],
+        reads: Channel[ReadItem],
+        layers: Channel[LayerReads],
     ) -> None:
         try:
             async for event in events:
@@ -114,8 +112,8 @@ class PrefetchStage:
                     continue
                 t0 = time.perf_counter()
                 self.account_fast_hits()
-                if self.between_layers is not None:
-                    self.between_layers()
+                if self._between_layers is not None:
+                    self._between_layers()
                 plan = self._plan(event.layer, event.experts, event.ranks)
                 self.cache_s += time.perf_counter() - t0
                 if self._hooks.on_plan:
@@ -137,27 +135,24 @@ class PrefetchStage:
                         if fut is not None:
                             by_proj[p].append(fut)
                             reads.send_nowait(key)  # promote it: a layer waits for it now
-                if self.per_expert:
-                    self._expose_per_expert(event, plan, by_proj)
-                binds.send_nowait(BindJob(event, plan, by_proj, issued_at))
+                layers.send_nowait(LayerReads(event, plan, by_proj, issued_at))
                 if event.ahead is not None:
                     self._speculate([event.ahead], {(event.layer, e) for e in event.experts}, reads)
-                if self.lookahead and event.phase == PHASE_DECODE:
+                if self._lookahead and event.phase == PHASE_DECODE:
                     self._read_ahead(event, reads)
-                if self.per_expert:  # only now: read-ahead may have evicted
-                    event.planned.set_result(None)
+                self._planned(event, plan, by_proj)  # only now: read-ahead may have evicted
         finally:
             reads.close()
-            binds.close()
+            layers.close()
 
-    def _read_ahead(self, event: RoutingEvent, reads: Channel) -> None:
+    def _read_ahead(self, event: RoutingEvent, reads: Channel[ReadItem]) -> None:
         if not self._moe_layers:
             self._moe_layers = sorted(self._residency.entry_bytes())
         i = self._moe_layers.index(event.layer)
-        ahead = [(il, self._last.get(il, ())) for il in self._moe_layers[i + 1 : i + 1 + self.lookahead]]
+        ahead = [(il, self._last.get(il, ())) for il in self._moe_layers[i + 1 : i + 1 + self._lookahead]]
         self._speculate(ahead, {(event.layer, e) for e in event.experts}, reads)
 
-    def _speculate(self, ahead: list[tuple[int, tuple[int, ...]]], protect: set, reads: Channel) -> None:
+    def _speculate(self, ahead: list[tuple[int, tuple[int, ...]]], protect: set, reads: Channel[ReadItem]) -> None:
         """Admit and read the candidates the budget has room for, never evicting ``protect``
         (the layer being served) or each other."""
         protect = protect | {(il, e) for il, experts in ahead for e in experts}
@@ -170,7 +165,7 @@ class PrefetchStage:
                 for request in self._residency.requests(il, e):
                     self._issue(replace(request, speculative=True), e, reads)
 
-    def _issue(self, request: ReadRequest, expert: int, reads: Channel) -> asyncio.Future[int]:
+    def _issue(self, request: ReadRequest, expert: int, reads: Channel[ReadItem]) -> asyncio.Future[int]:
         """Send one read with its readiness future; a failed read leaves no trace in the cache."""
         fut = self._board.expect(request.key)
         entry = (request.key.layer, expert)
@@ -178,19 +173,12 @@ class PrefetchStage:
         reads.send_nowait((request, fut))
         return fut
 
-    def _expose_per_expert(self, event: RoutingEvent, plan: Plan, by_proj: list[list[asyncio.Future[int]]]) -> None:
-        for p in range(len(by_proj)):
-            for e in plan.hits + plan.misses:
-                ready: concurrent.futures.Future[None] = concurrent.futures.Future()
-                inflight = self._board.future(ExpertKey(plan.layer, p, e))
-                if inflight is not None:
-                    inflight.add_done_callback(partial(_mirror, ready))
-                else:
-                    ready.set_result(None)
-                event.expert_ready[p, e] = ready
+    def _planned(self, event: RoutingEvent, plan: Plan, by_proj: list[list[asyncio.Future[int]]]) -> None:
+        """A layer's reads and read-ahead are issued (a replay's per-expert overlap publishes its
+        slices here; a live run has nothing more to do)."""
 
     def _order(self, layer: int, n_proj: int) -> tuple[int, ...]:
-        return self.consumption.get(layer) or tuple(range(n_proj))
+        return self._consumption.get(layer) or tuple(range(n_proj))
 
     def _forget_on_failure(self, entry: tuple[int, int], admission: int):  # noqa: ANN202
         def done(fut) -> None:  # noqa: ANN001
@@ -201,11 +189,3 @@ class PrefetchStage:
 
         return done
 
-
-def _mirror(ready: concurrent.futures.Future[None], fut: asyncio.Future[int]) -> None:
-    if ready.done():
-        return
-    if fut.cancelled() or fut.exception() is not None:
-        ready.set_exception(fut.exception() if not fut.cancelled() else ReadError("read cancelled"))
-    else:
-        ready.set_result(None)

@@ -7,6 +7,8 @@ per hop (executor hand-off, future chaining, task switches) is paid on the criti
 missed layer (with reads skipped, the serial stall fell from 8.1 to 7.2 ms per token on the
 bench/overlap.py model). A batch is the lane's fair share of the queued run of one (layer,
 projection) - the unit overlap waits on - or the queued projections of one speculative expert.
+That choice, real before speculative included, is ``ReadQueue``'s, a plain class with no threads
+(``tests/test_read_queue.py``); ``ReadStage`` runs the lanes around it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Protocol
 
 from bmoe.errors import ReadError
 from bmoe.pipeline.channel import Channel
-from bmoe.pipeline.events import MAX_PROJ, ExpertKey, ReadRequest
+from bmoe.pipeline.events import MAX_PROJ, ExpertKey, ReadItem, ReadJob, ReadRequest
 from bmoe.pipeline.hooks import Hooks
 from bmoe.pipeline.readiness import ReadinessBoard
 
@@ -39,6 +41,53 @@ class ReadCounters:
     slice_bytes: int = 0  # bytes of the slices asked for
     busy_s: float = 0.0  # summed lane time inside reads
     speculative_bytes: int = 0  # of bytes_read, those read ahead of need (prefetch)
+
+
+class ReadQueue:
+    """What the lanes read next: the read stage's scheduling, with no threads and no loop.
+
+    Real reads go before speculative ones, always: a layer waits on a real read, while a
+    speculative one only hopes to be needed. A promotion (a key sent alone) moves its queued
+    speculative read to the real queue, since a layer now waits for it. A lane takes a batch, one
+    thread hop per batch: its fair share (over itself and the lanes idle now) of the queued run of
+    one (layer, projection), the unit overlap waits on, or else every queued projection of one
+    speculative expert."""
+
+    def __init__(self) -> None:
+        self._real: deque[ReadJob] = deque()
+        self._spec: dict[ExpertKey, ReadJob] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._real or self._spec)
+
+    def put(self, item: ReadItem) -> None:
+        if isinstance(item, ExpertKey):
+            queued = self._spec.pop(item, None)
+            if queued is not None:
+                self._real.append(queued)
+        elif item[0].speculative:
+            self._spec[item[0].key] = item
+        else:
+            self._real.append(item)
+
+    def take(self, idle: int = 0) -> list[ReadJob]:
+        """The next batch for a lane, while ``idle`` other lanes wait for work (empty: none queued)."""
+        real = self._real
+        if real:
+            group = real[0][0].key[:2]  # (layer, projection)
+            run = sum(1 for _ in takewhile(lambda item: item[0].key[:2] == group, real))
+            return [real.popleft() for _ in range(-(-run // (idle + 1)))]
+        if not self._spec:
+            return []
+        layer, _, expert = next(iter(self._spec))
+        keys = [ExpertKey(layer, p, expert) for p in range(MAX_PROJ)]
+        return [self._spec.pop(k) for k in keys if k in self._spec]
+
+    def drop_speculative(self) -> list[ReadJob]:
+        """Empty the speculative queue (the stream ended: their layers have run) and return it."""
+        dropped = list(self._spec.values())
+        self._spec.clear()
+        return dropped
 
 
 class ReadStage:
@@ -72,50 +121,32 @@ class ReadStage:
                 out.append(exc)
         return out
 
-    async def run(self, reads: Channel[tuple[ReadRequest, asyncio.Future[int]] | ExpertKey]) -> None:
+    async def run(self, reads: Channel[ReadItem]) -> None:
         """Lanes pull real reads first and speculative ones only when no real read waits. A key
         sent alone promotes its queued speculative read (a real layer now needs it). When the
         channel closes, speculative reads still queued are dropped: their layers have run."""
         loop = asyncio.get_running_loop()
-        real: deque[tuple[ReadRequest, asyncio.Future[int]]] = deque()
-        spec: dict[ExpertKey, tuple[ReadRequest, asyncio.Future[int]]] = {}
+        queue = ReadQueue()
         wake = asyncio.Event()
         closed = False
 
         async def feed() -> None:
             nonlocal closed
             async for item in reads:
-                if isinstance(item, ExpertKey):
-                    queued = spec.pop(item, None)
-                    if queued is not None:
-                        real.append(queued)
-                elif item[0].speculative:
-                    spec[item[0].key] = item
-                else:
-                    real.append(item)
+                queue.put(item)
                 wake.set()
             closed = True
-            for request, ready in spec.values():
+            for request, ready in queue.drop_speculative():
                 self._board.complete(request.key, ready, None, ReadError(f"speculative read of {request.key} dropped"))
-            spec.clear()
             wake.set()
 
         idle = 0
 
-        def take() -> list[tuple[ReadRequest, asyncio.Future[int]]]:
-            if real:
-                group = real[0][0].key[:2]  # (layer, projection)
-                run = sum(1 for _ in takewhile(lambda item: item[0].key[:2] == group, real))
-                return [real.popleft() for _ in range(-(-run // (idle + 1)))]
-            layer, _, expert = next(iter(spec))
-            keys = [ExpertKey(layer, p, expert) for p in range(MAX_PROJ)]
-            return [spec.pop(k) for k in keys if k in spec]
-
         async def lane() -> None:
             nonlocal idle
             while True:
-                if real or spec:
-                    batch = take()
+                if queue:
+                    batch = queue.take(idle)
                 elif closed:
                     return
                 else:
