@@ -37,7 +37,7 @@ import ctypes
 
 import numpy as np
 
-from bmoe.engine.callback import EvalCallback, _router_weights, _routed_ids
+from bmoe.engine.callback import EvalCallback, _routed_ids, _router_weights
 from bmoe.errors import SeamMismatchError
 from bmoe.io.ggml import NAME_OFFSET, GgmlTensor
 from bmoe.io.layout import ModelLayout

@@ -26,7 +26,13 @@ from bmoe.engine.isolate import check_first_open
 from bmoe.engine.loader import OpenedModel, capture_weights, open_model
 from bmoe.engine.lossy import load_overrides, lossy_callback
 from bmoe.engine.prefill import prefill_batches
-from bmoe.engine.sampling import GREEDY, Sampler, SamplingParams, TokenLogprob, logprobs_of
+from bmoe.engine.sampling import (
+    GREEDY,
+    Sampler,
+    SamplingParams,
+    TokenLogprob,
+    logprobs_of,
+)
 from bmoe.engine.seam import LlamaModel
 from bmoe.engine.stops import StopStrings
 from bmoe.engine.streaming import Streamer, StreamParts
@@ -47,10 +53,10 @@ from bmoe.io.validate import open_layout
 from bmoe.metrics.route_trace import RouteRecorder
 from bmoe.metrics.stats import Counters, GenerationStats
 from bmoe.metrics.tokens import ProcessSample, TokenMetrics, rss_bytes
+from bmoe.pipeline.boundary import ComputeModes, OverlapPlan
 from bmoe.pipeline.events import PHASE_DECODE, PHASE_PREFILL
 from bmoe.pipeline.gate import RoutingGate
 from bmoe.pipeline.hooks import Hooks
-from bmoe.pipeline.boundary import ComputeModes, OverlapPlan
 from bmoe.pipeline.pressure import PressureGuard
 from bmoe.stages.compute import ComputeStage
 from bmoe.stages.dense import AnonDense

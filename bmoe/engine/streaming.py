@@ -23,13 +23,21 @@ from bmoe.io.ggml import GgmlTensor
 from bmoe.io.layout import ModelLayout
 from bmoe.io.regions import map_count_limit
 from bmoe.metrics.stats import Counters
-from bmoe.pipeline.budget import Budget, Needs, needs_from, parse_smaps, read_meminfo, resolve_budget, transient_bytes
+from bmoe.pipeline.boundary import SERIAL, ComputeModes, FastPath
+from bmoe.pipeline.budget import (
+    Budget,
+    Needs,
+    needs_from,
+    parse_smaps,
+    read_meminfo,
+    resolve_budget,
+    transient_bytes,
+)
 from bmoe.pipeline.cache import ExpertCache
 from bmoe.pipeline.channel import Channel
 from bmoe.pipeline.events import GateItem, ReadItem
 from bmoe.pipeline.gate import RoutingGate
 from bmoe.pipeline.hooks import Hooks
-from bmoe.pipeline.boundary import SERIAL, ComputeModes, FastPath
 from bmoe.pipeline.policies import make_policy
 from bmoe.pipeline.pressure import BudgetChange, GuardSettings, PressureGuard
 from bmoe.pipeline.profile import load_profile, save_profile

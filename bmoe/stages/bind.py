@@ -27,7 +27,13 @@ from bmoe.errors import SeamMismatchError
 from bmoe.io.direct import DIRECT_ALIGN
 from bmoe.io.ggml import GgmlTensor
 from bmoe.io.layout import ExpertTensor, ModelLayout
-from bmoe.io.regions import Region, map_count, map_count_limit, move_pages, release_pages
+from bmoe.io.regions import (
+    Region,
+    map_count,
+    map_count_limit,
+    move_pages,
+    release_pages,
+)
 
 MAP_CHECK_EVERY = 1024  # page moves between two counts of the process's mappings (~10 ms at 40 000)
 from bmoe.pipeline.cache import Entry
