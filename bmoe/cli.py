@@ -515,7 +515,6 @@ async def _chat(model: Path, config: RunConfig, system: str | None, n: int, *, s
     so a redirected transcript holds only the replies."""
     from bmoe.engine.chat import Message
     from bmoe.engine.session import Session
-    from bmoe.engine.thinking import ThinkSplitter
 
     with Session.open(model, config) as session:
         for warning in session.warnings:
@@ -560,7 +559,7 @@ async def _chat(model: Path, config: RunConfig, system: str | None, n: int, *, s
                 continue
             history.append(Message("user", _prompt_text(line)))
             prompt = _fit(session, fmt, history, n, {"enable_thinking": think})
-            split = ThinkSplitter(prompt)
+            split = fmt.splitter(prompt)
             parts: list[str] = []
             _SIGINT_TAKEN_BY.append(session.cancel)  # Ctrl-C ends this reply only
             try:

@@ -17,6 +17,7 @@ from functools import cache
 from typing import Any
 
 from bmoe.engine.seam import llama_lib
+from bmoe.engine.thinking import ChannelSplitter, ThinkSplitter
 
 PLAIN = "plain transcript (the model file has no chat template that can be rendered)"
 OWN = "the model's own chat template"
@@ -30,8 +31,11 @@ class Message:
 
 
 class ChatFormat:
-    def __init__(self, template: bytes | None, *, bos: str = "", eos: str = "") -> None:
+    def __init__(self, template: bytes | None, *, bos: str = "", eos: str = "", channels: bool = False) -> None:
+        """``channels``: the model answers in gpt-oss's channels (its architecture says so); a
+        template that writes ``<|channel|>`` says so too."""
         self._template = template
+        self.channels = channels or (template is not None and b"<|channel|>" in template)
         self._jinja: Any = None
         self._special = {"bos_token": bos, "eos_token": eos}
         self.description = PLAIN
@@ -51,6 +55,10 @@ class ChatFormat:
     def thinks(self) -> bool:
         """Whether the template knows the ``enable_thinking`` switch (Qwen3 style)."""
         return self._template is not None and b"enable_thinking" in self._template
+
+    def splitter(self, prompt: str) -> ThinkSplitter | ChannelSplitter:
+        """What separates a reply to ``prompt`` into reasoning and answer (``bmoe.engine.thinking``)."""
+        return ChannelSplitter(prompt) if self.channels else ThinkSplitter(prompt)
 
     def render(self, messages: Sequence[Message], template_kwargs: Mapping[str, Any] | None = None) -> str:
         """The prompt for the assistant's next turn. ``template_kwargs`` (``enable_thinking``...)

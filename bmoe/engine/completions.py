@@ -20,7 +20,6 @@ from typing import Any
 
 from bmoe.engine.chat import Message
 from bmoe.engine.sampling import SamplingParams, TokenLogprob
-from bmoe.engine.thinking import ThinkSplitter
 from bmoe.errors import ConfigError
 
 # ``Session`` and ``Piece`` (bmoe.engine.session) are named in annotations only: session.py imports
@@ -188,8 +187,8 @@ async def chat_completion(
     answered as a ``chat.completion`` dict or ``chat.completion.chunk`` dicts.
 
     ``chat_template_kwargs`` reach the template (``{"enable_thinking": False}``). A reply that
-    thinks in ``<think>...</think>`` has its reasoning in ``reasoning_content`` beside ``content``
-    (message and deltas), as llama-server reports it."""
+    thinks in ``<think>...</think>`` or in gpt-oss's analysis channel has its reasoning in
+    ``reasoning_content`` beside ``content`` (message and deltas), as llama-server reports it."""
     if n != 1:
         raise ConfigError(f"n must be 1 (one generation at a time), got {n!r}")
     if not isinstance(logprobs, bool):
@@ -197,8 +196,9 @@ async def chat_completion(
     params = sampling_from(logprobs=(top_logprobs or 0) if logprobs else None, **sampling)
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
         raise ConfigError("chat_template_kwargs must be an object")
-    prompt = session.chat_format().render(messages_from(messages), chat_template_kwargs)
-    split = ThinkSplitter(prompt)
+    fmt = session.chat_format()
+    prompt = fmt.render(messages_from(messages), chat_template_kwargs)
+    split = fmt.splitter(prompt)
     tokens = session.tokenize(prompt, special=True)
     limit = _max_tokens(max_tokens, None, session, len(tokens))
     ids = _Ids("chatcmpl", model, session)

@@ -277,7 +277,7 @@ class Session:
 
         model = self._live()
         bos, eos = model.special_text()
-        return ChatFormat(model.chat_template(), bos=bos, eos=eos)
+        return ChatFormat(model.chat_template(), bos=bos, eos=eos, channels=self.layout.arch == "gpt-oss")
 
     async def stream(
         self, prompt: str | Sequence[int], max_tokens: int = 64, *, sampling: SamplingParams | None = None,
