@@ -74,8 +74,11 @@ class ReadStage:
 
     async def run(self, reads: Channel[tuple[ReadRequest, asyncio.Future[int]] | ExpertKey]) -> None:
         """Lanes pull real reads first and speculative ones only when no real read waits. A key
-        sent alone promotes its queued speculative read (a real layer now needs it). When the
-        channel closes, speculative reads still queued are dropped: their layers have run."""
+        sent alone promotes its queued speculative read (a real layer now needs it). A newer read
+        of a key drops its queued speculative one (the entry was evicted and admitted again): the
+        old read would otherwise run later, into a slot whose pages may have moved on. When the
+        channel closes, speculative reads still queued are dropped: their layers have run. Every
+        read's future is resolved by the time this returns, so none is left counted as in flight."""
         loop = asyncio.get_running_loop()
         real: deque[tuple[ReadRequest, asyncio.Future[int]]] = deque()
         spec: dict[ExpertKey, tuple[ReadRequest, asyncio.Future[int]]] = {}
@@ -89,14 +92,18 @@ class ReadStage:
                     queued = spec.pop(item, None)
                     if queued is not None:
                         real.append(queued)
-                elif item[0].speculative:
-                    spec[item[0].key] = item
                 else:
-                    real.append(item)
+                    stale = spec.pop(item[0].key, None)
+                    if stale is not None:
+                        self._drop(stale, "superseded by a newer read of it")
+                    if item[0].speculative:
+                        spec[item[0].key] = item
+                    else:
+                        real.append(item)
                 wake.set()
             closed = True
-            for request, ready in spec.values():
-                self._board.complete(request.key, ready, None, ReadError(f"speculative read of {request.key} dropped"))
+            for queued in spec.values():
+                self._drop(queued, "dropped")
             spec.clear()
             wake.set()
 
@@ -133,6 +140,8 @@ class ReadStage:
                     # The lane thread cannot be stopped mid-read: wait until its bytes have landed,
                     # so no read writes into a slot after the stage (and the slot's owner) moved on.
                     await _settle(work)
+                    for request, ready in batch:
+                        self._fail(request, ready, ReadError(f"read of {request.key} cancelled"))
                     raise
                 except Exception as exc:  # noqa: BLE001 - the hand-off itself failed: every read did
                     outcomes = [exc] * len(batch)
@@ -151,7 +160,14 @@ class ReadStage:
             # Whatever this decode's stage still owed (queued, or on a lane when a failure or a
             # cancel stopped it) fails now, so its cache entry is forgotten; the next decode reads
             # it again instead of waiting for a completion that will never come.
-            self._board.abandon(ReadError("read abandoned: the decode that needed it stopped"))
+            abandoned = ReadError("read abandoned: the decode that needed it stopped")
+            for request, ready in [*real, *spec.values()]:
+                self._fail(request, ready, abandoned)
+            self._board.abandon(abandoned)
+
+    def _drop(self, queued: tuple[ReadRequest, asyncio.Future[int]], why: str) -> None:
+        request, ready = queued
+        self._board.complete(request.key, ready, None, ReadError(f"speculative read of {request.key} {why}"))
 
     def _fail(self, request: ReadRequest, ready: asyncio.Future[int], exc: BaseException) -> None:
         if not isinstance(exc, ReadError):
