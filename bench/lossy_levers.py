@@ -6,7 +6,7 @@ per lever (each with ``lossy: true`` and its flags) and a Markdown table. Nothin
 On a ``bmoe synth`` model the weights are random: agreement and KL measure how far a lever
 perturbs the computation, not what it costs a real model's text.
 
-    python bench/lossy_levers.py MODEL [--cache-mb 2000] [-n 16] [--prompts 4] [-t T] [--levers "..."]
+    python bench/lossy_levers.py MODEL [--cache-mb 2000] [-n 16] [--prompts 4] [-t T] [--levers "..."] [--force-cache]
 """
 
 from __future__ import annotations
@@ -38,11 +38,15 @@ def main() -> None:
     ap.add_argument("-n", "--tokens", type=int, default=16)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("-t", "--threads", type=int, default=None)
+    ap.add_argument("--force-cache", action="store_true",
+                    help="open even when the memory model says the budget does not fit now (the pressure "
+                         "guard still shrinks it while running)")
     ap.add_argument("--levers", type=lambda s: s.split(","), default=None,
                     help='comma-separated flag strings, e.g. "--n-expert-used 4,--route-ahead 1"')
     args = ap.parse_args()
     k = open_layout(args.model).n_expert_used
-    exact = RunConfig(mode="stream", n_ctx=512, n_threads=args.threads, cache_bytes=int(args.cache_mb * MiB))
+    exact = RunConfig(mode="stream", n_ctx=512, n_threads=args.threads, cache_bytes=int(args.cache_mb * MiB),
+                      force_cache=args.force_cache)
     rows = []
     for flags in args.levers or default_levers(k):
         lossy = replace(exact, **parse_lossy(flags))

@@ -32,7 +32,7 @@ from bmoe.engine.aio import run as run_async
 from bmoe.engine.config import MiB, RunConfig
 from bmoe.engine.lossy import lossy_label, parse_lossy
 from bmoe.engine.session import Session
-from bmoe.errors import ConfigError, ModelFileError
+from bmoe.errors import BmoeError, ConfigError, ModelFileError
 
 HOW = (
     "exact and lossy sessions open side by side, alternating per prompt (which runs first alternates "
@@ -148,10 +148,23 @@ async def compare(model: Path, exact: RunConfig, lossy: RunConfig, prompts: list
             report.lossy_side.add(lossy_stats)
             # Untimed: the lossy run forced along the exact tokens, for the scores.
             lossy_logits = (await _run_prompt(s_lossy, prompt, n, tokens))[1]
+            _check_finite(exact_logits, "exact", i)
+            _check_finite(lossy_logits, "lossy", i)
             report.agree += (lossy_logits.argmax(axis=-1) == np.asarray(tokens)).tolist()
             report.kl += kl_divergence(exact_logits, lossy_logits).tolist()
             report.prompts += 1
     return report
+
+
+def _check_finite(logits: np.ndarray, side: str, prompt: int) -> None:
+    """Scores with a NaN or an infinity come from a broken computation (bytes that were not the
+    model's), not from a lever: they are an error, never averaged into a figure."""
+    bad = np.flatnonzero(~np.isfinite(logits).all(axis=-1))
+    if bad.size:
+        raise BmoeError(
+            f"the {side} run produced non-finite scores at prompt {prompt}, position {int(bad[0])} "
+            f"({bad.size} of {len(logits)} positions): not a quality figure, a broken computation"
+        )
 
 
 # --- the command -------------------------------------------------------------------------------

@@ -120,3 +120,93 @@ def test_a_late_failure_of_an_abandoned_read_leaves_the_newer_copy_alone() -> No
 
     asyncio.run(go())
     assert cache.is_resident(1, 5) and residency.maps[1][5]
+
+
+class _DonorLog(SimResidency):
+    """SimResidency that records whose pages are handed on (``reuse``) and whose are only released."""
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        super().__init__(*args, **kwargs)
+        self.donors: list[tuple[int, int]] = []
+        self.released: list[tuple[int, int]] = []
+
+    def reuse(self, evicted, needed) -> None:  # noqa: ANN001
+        evicted = list(evicted)
+        self.donors += evicted
+        super().reuse(evicted, needed)
+
+    def release(self, layer: int, expert: int) -> None:
+        self.released.append((layer, expert))
+        super().release(layer, expert)
+
+
+def test_an_expert_a_superseded_read_may_still_land_in_never_gives_its_pages_away() -> None:
+    """Issue 16's NaN (``--route-ahead`` side by side): a read-ahead evicted while its read was
+    queued, read again for real, and evicted once more after the real read landed. The old read
+    still runs when a lane gets to it; had the expert's pages moved to another slot meanwhile,
+    those bytes (at another page offset) would land in the other expert, resident and bound, and
+    the layers that route it compute on garbage. While any read of the entry may land, its pages
+    are only released, never handed on."""
+    entry = {0: 100, 1: 100}
+    cache = ExpertCache(100, entry, LruPolicy())  # room for one expert
+    residency = _DonorLog(2, 8, entry)
+    board = ReadinessBoard()
+    stage = PrefetchStage(cache, residency, board, deque(), Hooks())
+
+    async def go() -> None:
+        events, reads, binds = Channel(), Channel(), Channel()
+        task = asyncio.create_task(stage.run(events, reads, binds))
+        events.send_nowait(ReadAhead(1, (5,), frozenset()))
+        events.send_nowait(RoutingEvent(1, (6,), 0, PHASE_DECODE))  # 5 guessed wrong, evicted for 6
+        events.send_nowait(RoutingEvent(1, (5,), 1, PHASE_DECODE))  # 5 read again, for real
+        old_request, old = await reads.receive()
+        await reads.receive()  # 6's read
+        new_request, new = await reads.receive()
+        assert old_request.speculative and not new_request.speculative and old_request.key == new_request.key
+        board.complete(new_request.key, new, new_request.nbytes, None)  # the real read lands first
+        await asyncio.sleep(0)
+        assert not old.done(), "the old read is still queued: it will write into 5's slot"
+        events.send_nowait(RoutingEvent(1, (6,), 2, PHASE_DECODE))  # 5 evicted again
+        events.close()
+        await task
+
+    asyncio.run(go())
+    assert (1, 5) in residency.released and (1, 5) not in residency.donors
+
+
+def test_a_newer_read_of_a_key_drops_its_queued_speculative_read() -> None:
+    """The read stage's side of the same case: a speculative read still queued when a newer read
+    of the key arrives never runs (it is resolved as dropped), so it writes nothing later."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from bmoe.pipeline.events import ExpertKey, ReadRequest
+    from bmoe.stages.read import ReadStage
+
+    ran: list[int] = []  # file offsets read: 0 the old read of the key, 1 its newer read, 2 another key's
+
+    class Reader:
+        def read_into(self, shard: int, offset: int, nbytes: int, dest: int) -> int:
+            ran.append(offset)
+            return nbytes
+
+    key, other = ExpertKey(1, 0, 5), ExpertKey(1, 0, 7)
+    board = ReadinessBoard()
+
+    async def go() -> None:
+        reads: Channel = Channel()
+        task = asyncio.create_task(ReadStage(Reader(), ThreadPoolExecutor(1), 1, board, Hooks()).run(reads))
+        old, new, later = board.expect(key), board.expect(key), board.expect(other)
+        reads.send_nowait((ReadRequest(key, 0, 0, 8, 0, speculative=True), old))
+        reads.send_nowait((ReadRequest(key, 0, 1, 8, 0), new))
+        await new
+        # The lane then takes queued speculative reads in order: the old one first, if still queued.
+        reads.send_nowait((ReadRequest(other, 0, 2, 8, 0, speculative=True), later))
+        await later
+        reads.close()
+        await task
+        assert ran == [1, 2], "the superseded read never ran"
+        assert isinstance(old.exception(), ReadError)
+        await asyncio.sleep(0)
+        assert not board.busy(key), "every read of the key is resolved"
+
+    asyncio.run(go())

@@ -107,3 +107,14 @@ def test_cli_run_json_reports_drops(tiny) -> None:
     r = json.loads(proc.stdout)
     assert r["lossy"] is True and r["lossy_flags"] == "--drop-cold-experts 4"
     assert r["drop_tokens"] == 3 and r["drop_dropped_experts"] > 0 and r["drop_bytes_saved"] > 0
+
+
+def test_non_finite_scores_are_an_error_never_a_figure() -> None:
+    from bmoe.errors import BmoeError
+    from bmoe.quality import _check_finite
+
+    _check_finite(np.zeros((3, 4), np.float32), "lossy", 0)
+    scores = np.zeros((3, 4), np.float32)
+    scores[1, 2] = np.nan
+    with pytest.raises(BmoeError, match="lossy run produced non-finite scores at prompt 2, position 1"):
+        _check_finite(scores, "lossy", 2)

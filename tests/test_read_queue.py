@@ -63,3 +63,23 @@ def test_dropping_speculative_reads_leaves_the_real_ones() -> None:
     q.put(job(0, 0, 1))
     assert keys(q.drop_speculative()) == [(1, 0, 5)]
     assert keys(q.take()) == [(0, 0, 1)] and not q
+
+
+def test_a_newer_read_of_a_key_hands_back_the_queued_speculative_one() -> None:
+    """An entry evicted while its read-ahead was queued, then admitted again: the old read must not
+    run later into a slot whose pages may have moved on, so the queue gives it back to be dropped."""
+    q = ReadQueue()
+    old = job(1, 0, 5, speculative=True)
+    assert q.put(old) is None
+    new = job(1, 0, 5)
+    assert q.put(new) is old
+    assert keys(q.take()) == [(1, 0, 5)] and not q
+    assert q.put(job(1, 0, 6)) is None, "a real read supersedes nothing queued"
+
+
+def test_drain_empties_both_queues() -> None:
+    q = ReadQueue()
+    q.put(job(0, 0, 1))
+    q.put(job(1, 0, 5, speculative=True))
+    assert sorted(keys(q.drain())) == [(0, 0, 1), (1, 0, 5)]
+    assert not q

@@ -83,14 +83,16 @@ class PrefetchStage:
 
     def evict(self, entries: tuple[tuple[int, int], ...], admitted: Sequence[tuple[int, int]] = ()) -> None:
         """Evict ``entries`` and make way for ``admitted``, the entries about to be read: evicted
-        pages go to their slots, unless a read into them is still in flight (a speculative one):
-        those are only released. Each admission is counted, so a failed read undoes only its own."""
+        pages go to their slots, unless a read into them may still land (a speculative one, or an
+        older read of the entry that a newer one superseded: ``ReadinessBoard.busy``): those are
+        only released, since a page moved away under a read would receive its bytes in the other
+        slot. Each admission is counted, so a failed read undoes only its own."""
         for entry in admitted:
             self._admissions[entry] = self._admissions.get(entry, 0) + 1
         quiet = []
         for layer, expert in entries:
             keys = (ExpertKey(layer, p, expert) for p in range(self._residency.n_proj(layer)))
-            if any(self._board.future(key) is not None for key in keys):
+            if any(self._board.busy(key) for key in keys):
                 self._residency.release(layer, expert)
             else:
                 quiet.append((layer, expert))

@@ -60,15 +60,21 @@ class ReadQueue:
     def __bool__(self) -> bool:
         return bool(self._real or self._spec)
 
-    def put(self, item: ReadItem) -> None:
+    def put(self, item: ReadItem) -> ReadJob | None:
+        """Queue ``item``; return the queued speculative read it supersedes, for the caller to
+        drop: a newer read of the same key means the entry was evicted and admitted again, and the
+        old read, run later, would land in a slot whose pages may have moved on."""
         if isinstance(item, ExpertKey):
             queued = self._spec.pop(item, None)
             if queued is not None:
                 self._real.append(queued)
-        elif item[0].speculative:
+            return None
+        stale = self._spec.pop(item[0].key, None)
+        if item[0].speculative:
             self._spec[item[0].key] = item
         else:
             self._real.append(item)
+        return stale
 
     def take(self, idle: int = 0) -> list[ReadJob]:
         """The next batch for a lane, while ``idle`` other lanes wait for work (empty: none queued)."""
@@ -88,6 +94,13 @@ class ReadQueue:
         dropped = list(self._spec.values())
         self._spec.clear()
         return dropped
+
+    def drain(self) -> list[ReadJob]:
+        """Empty both queues and return what they held (the stage is stopping)."""
+        left = [*self._real, *self._spec.values()]
+        self._real.clear()
+        self._spec.clear()
+        return left
 
 
 class ReadStage:
@@ -123,8 +136,11 @@ class ReadStage:
 
     async def run(self, reads: Channel[ReadItem]) -> None:
         """Lanes pull real reads first and speculative ones only when no real read waits. A key
-        sent alone promotes its queued speculative read (a real layer now needs it). When the
-        channel closes, speculative reads still queued are dropped: their layers have run."""
+        sent alone promotes its queued speculative read (a real layer now needs it). A newer read
+        of a key drops its queued speculative one (the entry was evicted and admitted again): the
+        old read would otherwise run later, into a slot whose pages may have moved on. When the
+        channel closes, speculative reads still queued are dropped: their layers have run. Every
+        read's future is resolved by the time this returns, so none is left counted as in flight."""
         loop = asyncio.get_running_loop()
         queue = ReadQueue()
         wake = asyncio.Event()
@@ -133,11 +149,13 @@ class ReadStage:
         async def feed() -> None:
             nonlocal closed
             async for item in reads:
-                queue.put(item)
+                stale = queue.put(item)
+                if stale is not None:
+                    self._drop(stale, "superseded by a newer read of it")
                 wake.set()
             closed = True
-            for request, ready in queue.drop_speculative():
-                self._board.complete(request.key, ready, None, ReadError(f"speculative read of {request.key} dropped"))
+            for queued in queue.drop_speculative():
+                self._drop(queued, "dropped")
             wake.set()
 
         idle = 0
@@ -164,6 +182,8 @@ class ReadStage:
                     # The lane thread cannot be stopped mid-read: wait until its bytes have landed,
                     # so no read writes into a slot after the stage (and the slot's owner) moved on.
                     await _settle(work)
+                    for request, ready in batch:
+                        self._fail(request, ready, ReadError(f"read of {request.key} cancelled"))
                     raise
                 except Exception as exc:  # noqa: BLE001 - the hand-off itself failed: every read did
                     outcomes = [exc] * len(batch)
@@ -182,7 +202,14 @@ class ReadStage:
             # Whatever this decode's stage still owed (queued, or on a lane when a failure or a
             # cancel stopped it) fails now, so its cache entry is forgotten; the next decode reads
             # it again instead of waiting for a completion that will never come.
-            self._board.abandon(ReadError("read abandoned: the decode that needed it stopped"))
+            abandoned = ReadError("read abandoned: the decode that needed it stopped")
+            for request, ready in queue.drain():
+                self._fail(request, ready, abandoned)
+            self._board.abandon(abandoned)
+
+    def _drop(self, queued: tuple[ReadRequest, asyncio.Future[int]], why: str) -> None:
+        request, ready = queued
+        self._board.complete(request.key, ready, None, ReadError(f"speculative read of {request.key} {why}"))
 
     def _fail(self, request: ReadRequest, ready: asyncio.Future[int], exc: BaseException) -> None:
         if not isinstance(exc, ReadError):
