@@ -20,6 +20,9 @@ def bmoe(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
 def test_version() -> None:
     r = bmoe("--version")
     assert r.returncode == 0 and r.stdout.startswith("bmoe ") and "llama-cpp-python" in r.stdout
+    as_package = subprocess.run([sys.executable, "-m", "bmoe", "--version"], capture_output=True, text=True,
+                                timeout=GUARD_S)
+    assert as_package.returncode == 0 and as_package.stdout == r.stdout  # python -m bmoe: the same CLI
 
 
 def test_prompt_from_stdin_and_file_give_the_same_run(tiny, tmp_path) -> None:

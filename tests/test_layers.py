@@ -28,6 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("synth",),
     ("bench", "server", "inspect", "quality"),
     ("cli",),
+    ("__main__",),  # python -m bmoe: the command line
     ("",),  # the package root re-exports the public face
 )
 RANK = {name: i for i, group in enumerate(LAYERS) for name in group}
