@@ -116,3 +116,13 @@ def test_inspect_says_how_a_streamed_run_opens(tiny) -> None:
     assert mtp.open_read_bytes == sum(p.stat().st_size for p in [tiny.path(SPECS["glm4moe"])])
     cheap = inspect_model(tiny.path(SPECS["gpt-oss"]), ram_bytes=8 * GiB)
     assert cheap.open_mode == "user" and cheap.open_read_bytes == cheap.dense_bytes
+
+
+def test_inspect_reads_the_index_without_llama_cpp(tiny) -> None:
+    """``inspect`` is the index alone: the CLI command never imports llama.cpp's binding."""
+    path = tiny.path(SPECS["glm4moe"])
+    code = ("import sys; from bmoe.cli import main; code = main(['inspect', sys.argv[1], '--ram', '4']); "
+            "assert 'llama_cpp' not in sys.modules, 'inspect imported llama_cpp'; sys.exit(code)")
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "glm4moe" in done.stdout

@@ -74,6 +74,12 @@ FAULTS = [
      set_value("qwen3vlmoe.rope.dimension_sections", [0, 0, 0, 0], GGUFValueType.ARRAY, GGUFValueType.INT32),
      "all-zero sections"),
     ("used-over-count", TinySpec(arch="llama4"), set_u32("llama4.expert_used_count", 9), "expert_used_count is 9"),
+    # glm4moe's loader asserts n_expert > 0 && n_expert_used > 0 (glm4-moe.cpp:42-43).
+    ("used-zero", TinySpec(arch="glm4moe"), set_u32("glm4moe.expert_used_count", 0), "expert_used_count is 0"),
+    ("groups-as-many-as-experts", TinySpec(arch="bailingmoe2"), set_u32("bailingmoe2.expert_group_count", 8),
+     "expert_group_count 8 does not divide"),
+    ("block-count-over-max", TinySpec(arch="qwen3vlmoe"), set_u32("qwen3vlmoe.block_count", 513),
+     "block_count is 513"),
     ("count-zero", TinySpec(arch="gpt-oss"), set_u32("gpt-oss.expert_count", 0), "expert_used_count is 2"),
     ("rope-scaling-unknown", TinySpec(arch="qwen35moe"),
      set_value("qwen35moe.rope.scaling.type", "warp", GGUFValueType.STRING), "rope.scaling.type is 'warp'"),
@@ -105,13 +111,15 @@ def test_aborting_metadata_is_one_line_exit_1(tmp_path: Path, spec: TinySpec, ed
     assert len(lines) == 1 and lines[0].startswith("bmoe: error: ") and message in lines[0], done.stderr
 
 
-def test_non_f32_sinks_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """gpt-oss's sinks go to a kernel that asserts F32: a file with F16 sinks would abort at decode."""
+@pytest.mark.parametrize("suffix", ["attn_sinks.weight", "ffn_down_exps.bias", "ffn_gate_inp.bias"])
+def test_non_f32_sinks_and_biases_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str) -> None:
+    """gpt-oss's sinks and per-expert / router biases go to kernels that assert F32: a file with
+    F16 there would abort at decode."""
     original = tiny_mod._Builder.f32
 
     def f32(self, name: str, shape: tuple[int, ...], std: float) -> None:  # noqa: ANN001
         original(self, name, shape, std)
-        if name.endswith("attn_sinks.weight"):
+        if name.endswith(suffix):
             t = self.out[-1]
             self.out[-1] = tiny_mod._Tensor(t.name, t.shape, GGMLQuantizationType.F16, t.chunks)
 
@@ -120,7 +128,7 @@ def test_non_f32_sinks_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     done = cli("run", "-m", str(path), "-p", "hello", "-n", "2")
     assert done.returncode == 1, done.stderr
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]
-    assert "attn_sinks.weight is F16; llama.cpp needs F32" in done.stderr
+    assert f"{suffix} is F16; llama.cpp needs F32" in done.stderr
 
 
 def test_without_validation_the_same_fault_kills_the_process(tmp_path: Path) -> None:
