@@ -141,8 +141,8 @@ class _DonorLog(SimResidency):
 
 
 def test_an_expert_a_superseded_read_may_still_land_in_never_gives_its_pages_away() -> None:
-    """Issue 16's NaN (``--route-ahead`` side by side): a read-ahead evicted while its read was
-    queued, read again for real, and evicted once more after the real read landed. The old read
+    """Found looking for issue 16's NaN (not shown to be its cause): a read-ahead evicted while its
+    read was queued, read again for real, and evicted once more after the real read landed. The old read
     still runs when a lane gets to it; had the expert's pages moved to another slot meanwhile,
     those bytes (at another page offset) would land in the other expert, resident and bound, and
     the layers that route it compute on garbage. While any read of the entry may land, its pages
