@@ -1,0 +1,233 @@
+"""``bmoe chat``: the interactive multi-turn chat, its slash commands, and the line reader that
+keeps a stop signal from waiting on a blocked ``readline``; the expert cache stays warm between
+turns."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+from bmoe.cli.edge import _SIGINT_TAKEN_BY, _prompt_text, _run
+from bmoe.cli.flags import (
+    _check_outputs,
+    _common_flags,
+    _config,
+    _Help,
+    _lossy_cli,
+    _model_files,
+    _sampling,
+    _sampling_flags,
+    _tokens,
+    _verbosity_flags,
+)
+from bmoe.cli.generate import _summary
+from bmoe.engine.config import RunConfig
+from bmoe.errors import ConfigError
+
+
+def _chat_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", help="interactive multi-turn chat; the expert cache stays warm",
+                       formatter_class=_Help)
+    p.add_argument("-m", "--model", type=Path, required=True, help="GGUF file (shard 1 of a split set)")
+    p.add_argument("-n", "--n-predict", type=_tokens, default=256, help="most tokens per reply")
+    p.add_argument("--system", default=None, help="system message")
+    p.add_argument("--no-think", action="store_true",
+                   help="ask a thinking model to answer without reasoning first (enable_thinking=false)")
+    _common_flags(p)
+    _lossy_cli(p)
+    _sampling_flags(p)
+    _verbosity_flags(p)
+    p.set_defaults(mode="stream", func=_cmd_chat)
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="surrogateescape")  # bytes that are not UTF-8 reach _prompt_text
+    _check_outputs(args, _model_files(args.model), "--route-trace")
+    config, sampling = _config(args), _sampling(args)
+    _run(_chat(args.model, config, args.system, args.n_predict, sampling=sampling, stop=args.stop,
+               quiet=args.quiet, think=not args.no_think))
+    return 0
+
+
+CHAT_HELP = """commands:
+  /help     this list
+  /reset    forget the conversation (the system message stays)
+  /stats    what the last reply measured, and the session's totals
+  /think on|off   let a thinking model reason first (shown dimmed), or not
+  /exit     leave (so does Ctrl-D)
+Ctrl-C stops a reply and keeps the conversation; at the prompt it clears the line."""
+
+
+async def _chat(model: Path, config: RunConfig, system: str | None, n: int, *, sampling=None,  # noqa: ANN001
+                stop: list[str] | None = None, quiet: bool = False, think: bool = True) -> None:
+    """The interactive chat. Line editing and history (prompt_toolkit) when standard input is a
+    terminal, plain lines otherwise; prompts go to stderr when standard output is not a terminal,
+    so a redirected transcript holds only the replies."""
+    from bmoe.engine.chat import Message
+    from bmoe.engine.session import Session
+
+    with Session.open(model, config) as session:
+        for warning in session.warnings:
+            print(f"bmoe: warning: {warning}", file=sys.stderr)
+        fmt = session.chat_format()
+        dim = ("\x1b[2m", "\x1b[0m") if sys.stdout.isatty() else None  # reasoning: dimmed, or left out
+        if not quiet:
+            print(f"bmoe chat: {model.name}, {fmt.description}. /help lists commands; Ctrl-D leaves.",
+                  file=sys.stderr)
+        start: list[Message] = [Message("system", system)] if system else []
+        history = list(start)
+        read_line = _line_reader()
+        totals = {"replies": 0, "tokens": 0, "prompt": 0, "reused": 0}
+        while True:
+            try:
+                line = await read_line("> ")
+            except KeyboardInterrupt:
+                continue  # Ctrl-C at the prompt: the line is dropped, the chat goes on
+            except EOFError:
+                print(file=sys.stderr)
+                return
+            text = line.strip()
+            if not text:
+                continue
+            if text.startswith("/"):
+                command = text.split()[0]
+                if command in ("/exit", "/quit"):
+                    return
+                if command == "/help":
+                    print(CHAT_HELP, file=sys.stderr)
+                elif command == "/reset":
+                    history = list(start)
+                    print("conversation cleared", file=sys.stderr)
+                elif command == "/stats":
+                    print(_chat_stats(session, totals), file=sys.stderr)
+                elif command == "/think" and text.split()[1:] in (["on"], ["off"]):
+                    think = text.split()[1] == "on"
+                    print(f"thinking {'on' if think else 'off'}"
+                          + ("" if fmt.thinks else " (this model's template has no thinking switch)"), file=sys.stderr)
+                else:
+                    print(f"unknown command {command}; /help lists them", file=sys.stderr)
+                continue
+            history.append(Message("user", _prompt_text(line)))
+            prompt = _fit(session, fmt, history, n, {"enable_thinking": think})
+            split = fmt.splitter(prompt)
+            parts: list[str] = []
+            _SIGINT_TAKEN_BY.append(session.cancel)  # Ctrl-C ends this reply only
+            try:
+                async for piece in session.stream(prompt, n, special=True, sampling=sampling, stop=stop):
+                    reasoning, answer = split.feed(piece.text)
+                    if piece.finish_reason is not None:
+                        r2, a2 = split.flush()
+                        reasoning, answer = reasoning + r2, answer + a2
+                    if reasoning and dim is not None:
+                        sys.stdout.write(dim[0] + reasoning + dim[1])
+                    parts.append(answer)
+                    sys.stdout.write(answer)
+                    sys.stdout.flush()
+                    if piece.usage is not None:
+                        totals["replies"] += 1
+                        totals["tokens"] += piece.usage.completion_tokens
+                        totals["prompt"] += piece.usage.prompt_tokens
+                        totals["reused"] += piece.usage.prompt_reused
+                        if piece.finish_reason == "cancelled":
+                            sys.stdout.write(" [stopped]")
+            finally:
+                _SIGINT_TAKEN_BY.remove(session.cancel)
+            print()
+            history.append(Message("assistant", "".join(parts)))
+            stats = session.last_stats
+            if stats is not None and not quiet:
+                r = {"n_tokens": stats.generated_tokens, **stats.as_dict()}
+                print(_summary(r), file=sys.stderr)
+
+
+def _chat_stats(session, totals: dict[str, int]) -> str:  # noqa: ANN001
+    stats = session.last_stats
+    lines = []
+    if stats is not None:
+        lines.append("last reply: " + _summary({"n_tokens": stats.generated_tokens, **stats.as_dict()}))
+    usage = session.last_usage
+    if usage is not None:
+        lines.append(f"last prompt: {usage.prompt_tokens} tokens, {usage.prompt_evaluated} evaluated, "
+                     f"{usage.prompt_reused} reused from the context")
+    lines.append(f"session: {totals['replies']} replies, {totals['tokens']} tokens generated, "
+                 f"{totals['reused']} of {totals['prompt']} prompt tokens reused")
+    return "\n".join(lines)
+
+
+def _line_reader():  # noqa: ANN202 - async (prompt) -> line; raises EOFError / KeyboardInterrupt
+    """prompt_toolkit on a terminal (editing, history, Ctrl-C clears the line); plain lines else."""
+    prompt_to = sys.stdout if sys.stdout.isatty() else sys.stderr
+    if sys.stdin.isatty():
+        from prompt_toolkit import PromptSession
+        from prompt_toolkit.history import InMemoryHistory
+        from prompt_toolkit.output import create_output
+
+        ps = PromptSession(history=InMemoryHistory(), output=create_output(stdout=prompt_to))
+
+        async def edited(prompt: str) -> str:
+            # Ctrl-C at the prompt is a key in raw mode; leave the runner's SIGINT handler alone
+            return await ps.prompt_async(prompt, handle_sigint=False)
+
+        return edited
+
+    lines = _StdinLines()
+
+    async def plain(prompt: str) -> str:
+        prompt_to.write(prompt)
+        prompt_to.flush()
+        line = await lines.readline()
+        if not line:
+            raise EOFError
+        return line.decode("utf-8", errors="replace").rstrip("\n")
+
+    return plain
+
+
+class _StdinLines:
+    """Lines of standard input, waited for on the event loop: a pipe that stays open (a script
+    feeding the chat) must not hold the process after a stop signal, as a thread blocked in
+    ``readline`` did (the interpreter joins it at exit). What the loop cannot watch (a regular
+    file, /dev/null) never blocks, and is read in a thread."""
+
+    def __init__(self) -> None:
+        self._fd = 0
+        self._buf = b""
+        self._eof = False
+
+    async def readline(self) -> bytes:
+        while b"\n" not in self._buf and not self._eof:
+            chunk = await self._read()
+            self._eof = not chunk
+            self._buf += chunk
+        line, nl, self._buf = self._buf.partition(b"\n")
+        return line + nl
+
+    async def _read(self) -> bytes:
+        loop = asyncio.get_running_loop()
+        ready = loop.create_future()
+        try:
+            loop.add_reader(self._fd, lambda: ready.done() or ready.set_result(None))
+        except (OSError, ValueError):  # not pollable: a regular file or /dev/null, which never waits
+            return await asyncio.to_thread(os.read, self._fd, 1 << 16)
+        try:
+            await ready
+        finally:
+            loop.remove_reader(self._fd)
+        return os.read(self._fd, 1 << 16)
+
+
+def _fit(session, fmt, history, n: int, template_kwargs: dict | None = None) -> str:  # noqa: ANN001
+    """Render the conversation, dropping the oldest turns (never the system message) to fit."""
+    while True:
+        prompt = fmt.render(history, template_kwargs)
+        if len(session.tokenize(prompt, special=True)) + n <= session.n_ctx:
+            return prompt
+        oldest = next((i for i, m in enumerate(history) if m.role != "system"), None)
+        if oldest is None or oldest == len(history) - 1:
+            raise ConfigError(f"the message does not fit the context ({session.n_ctx} tokens); raise -c")
+        del history[oldest]
+        print("bmoe: the conversation outgrew the context; dropped the oldest turn", file=sys.stderr)

@@ -1,0 +1,225 @@
+"""The flags several commands share, declared once, and their parsing into a RunConfig and
+SamplingParams: a bad value is refused at parse time, in one line, before any model is opened
+(``_number``: ``nan``, ``inf`` and ``1e308`` used to reach the run and end in a traceback)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from bmoe.engine.config import MiB, RunConfig
+from bmoe.errors import ConfigError
+
+
+class _Help(argparse.HelpFormatter):
+    """Help that shows each flag's default, where it has one worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if ("%(default)" in text or default is None or default is False or default == argparse.SUPPRESS
+                or action.const is not None
+                or isinstance(action, argparse._StoreTrueAction) or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _number(kind: type, lo: float, hi: float, what: str):  # noqa: ANN202 - an argparse type
+    """An argparse type: a finite ``kind`` in [lo, hi], refused at parse time otherwise (``nan``,
+    ``inf`` and ``1e308`` used to reach the run and end in a traceback)."""
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except (ValueError, OverflowError):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not math.isfinite(value) or not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"expected {what} from {lo:g} to {hi:g}, got {text!r}")
+        return value
+
+    parse.__name__ = what  # argparse names the type in its messages
+    return parse
+
+
+MAX_MIB = float(1 << 30)  # 1 PiB: beyond any machine; bounds the bytes computed from a budget
+_mib = _number(float, 0, MAX_MIB, "a number of MiB")
+_tokens = _number(int, 1, 1 << 20, "a number of tokens")
+_ctx = _number(int, 16, 1 << 20, "a context length")
+_threads = _number(int, 1, 512, "a thread count")
+_io_threads = _number(int, 1, 64, "a number of I/O lanes")
+_layers_ahead = _number(int, 0, 64, "a number of layers")
+
+
+def _cache_mb(text: str) -> float | None:
+    if text == "auto":
+        return None
+    try:
+        return _mib(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a number of MiB (0 to {MAX_MIB:g}) or 'auto', got {text!r}") from None
+
+
+def _common_flags(p: argparse.ArgumentParser) -> None:
+    """The engine flags of every command that opens a model (run, chat, serve), declared once."""
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--stream", dest="mode", action="store_const", const="stream",
+                      help="read routed experts from disk on demand (default)")
+    mode.add_argument("--resident", dest="mode", action="store_const", const="resident",
+                      help="plain llama.cpp: the whole file mapped, nothing streamed")
+    p.add_argument("--io-threads", type=_io_threads, default=2, help="I/O lanes for expert reads")
+    p.add_argument("--no-odirect", action="store_true", help="buffered reads instead of O_DIRECT")
+    p.set_defaults(mode="stream")
+    p.add_argument("--cache-mb", type=_cache_mb, default=0.0,
+                   help="expert cache budget in MiB, or 'auto' (0 = off: every routed expert read)")
+    p.add_argument("--cache-ceil-mb", type=_mib, default=None, help="upper bound for the budget")
+    p.add_argument("--cache-profile", default=None, metavar="FILE",
+                   help="seed the cache policy from this JSON profile if it exists, save what the run "
+                        "learned to it at the end (lossless: only the eviction order changes)")
+    p.add_argument("--force", action="store_true",
+                   help="run a --cache-mb that the memory model says cannot fit (warned, not refused)")
+    p.add_argument("--no-pressure-guard", action="store_true",
+                   help="keep the budget fixed while running (default: shrink it under memory pressure)")
+    p.add_argument("--dense-weights", choices=("mmap", "anon"), default="mmap",
+                   help="anon: copy dense weights into anonymous memory (safe from page-cache churn)")
+    p.add_argument("--open-mode", choices=("auto", "user", "reserved", "mmap", "mmap-drop"), default="auto",
+                   help="how a streamed model is opened (auto: the cheapest that works here)")
+    p.add_argument("--prefill", choices=("auto", "batch", "token", "micro"), default="auto",
+                   help="how a prompt runs: one batch, micro-batches, token by token, or auto (cost model)")
+    p.add_argument("--route-trace", default=None, help="write every routing decision to this file")
+    p.add_argument("--overlap", action="store_true",
+                   help="read later projections while earlier expert matmuls compute (lossless)")
+    p.add_argument("--prefetch", type=_layers_ahead, default=0, metavar="K",
+                   help="read the previous token's experts of the next K layers ahead (needs a cache)")
+    p.add_argument("--predict-prefetch", action="store_true",
+                   help="predict the next layer's experts with its router and read them ahead (needs a cache)")
+    p.add_argument("-t", "--threads", type=_threads, default=None, help="compute threads")
+    p.add_argument("-c", "--ctx", type=_ctx, default=2048, help="context length")
+
+
+def _lossy_cli(p: argparse.ArgumentParser) -> None:
+    """The opt-in lossy levers of run and chat (bmoe.engine.lossy spells them; every figure a
+    run with one reports then says lossy)."""
+    from bmoe.engine.lossy import add_lossy_flags
+
+    add_lossy_flags(p)
+
+
+def _lossy_config(args: argparse.Namespace) -> dict[str, object]:
+    """The levers' RunConfig fields; none for the commands without the flags (serve)."""
+    from bmoe.engine.lossy import lossy_fields
+
+    return lossy_fields(args) if hasattr(args, "n_expert_used") else {}
+
+
+def _sampling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (greedy unless --temp > 0; run through llama.cpp's samplers)")
+    g.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus: keep tokens up to this mass (1 = off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this share of the top one (0 = off)")
+    g.add_argument("--repeat-penalty", type=float, default=1.0, help="penalise recent tokens (1 = off)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="penalise tokens already present (0 = off)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="penalise tokens by their count (0 = off)")
+    g.add_argument("--seed", type=int, default=None, help="seed of the draw (default: a fresh one each run)")
+    g.add_argument("--grammar-file", type=Path, default=None, help="constrain the output with a GBNF grammar")
+    g.add_argument("--json-schema", default=None,
+                   help="constrain the output to JSON matching this schema (JSON text, or a file holding it)")
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop before this text (repeatable); it is never printed")
+
+
+def _sampling(args: argparse.Namespace):  # noqa: ANN202 - a bmoe.engine.sampling.SamplingParams
+    from bmoe.engine.sampling import SamplingParams
+
+    grammar = schema = None
+    if args.grammar_file is not None:
+        try:
+            grammar = args.grammar_file.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"--grammar-file {args.grammar_file}: {getattr(exc, 'strerror', None) or exc}") from None
+    if args.json_schema is not None:
+        text = args.json_schema
+        if not text.lstrip().startswith("{"):
+            try:
+                text = Path(text).read_text()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError(f"--json-schema {args.json_schema}: neither JSON nor a readable file "
+                                  f"({getattr(exc, 'strerror', None) or exc})") from None
+        try:
+            schema = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"--json-schema: not valid JSON ({exc})") from None
+    return SamplingParams(
+        temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=args.seed, grammar=grammar, json_schema=schema,
+    )
+
+
+def _verbosity_flags(p: argparse.ArgumentParser, top: bool = False) -> None:
+    """-v / -q, accepted before the command or after it (a subcommand's copy never resets the
+    top-level one)."""
+    default = False if top else argparse.SUPPRESS
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("-v", "--verbose", action="store_true", default=default,
+                   help="show llama.cpp's own log on stderr")
+    g.add_argument("-q", "--quiet", action="store_true", default=default,
+                   help="no banner, warnings or summaries on stderr: only the text and errors")
+
+
+def _warn_ignored(args: argparse.Namespace) -> None:
+    """Say so when a flag given does nothing in the chosen mode, rather than ignoring it silently."""
+    if args.mode != "resident" or getattr(args, "quiet", False):
+        return
+    given = [flag for flag, on in (
+        ("--cache-mb", args.cache_mb != 0), ("--cache-ceil-mb", args.cache_ceil_mb is not None),
+        ("--io-threads", args.io_threads != 2), ("--no-odirect", args.no_odirect),
+        ("--open-mode", args.open_mode != "auto"),
+    ) if on]
+    if given:
+        print(f"bmoe: warning: {', '.join(given)} {'does' if len(given) == 1 else 'do'} nothing with --resident "
+              "(nothing is streamed)", file=sys.stderr)
+
+
+def _config(args: argparse.Namespace) -> RunConfig:
+    _warn_ignored(args)
+    return RunConfig(
+        mode=args.mode,
+        io_threads=args.io_threads,
+        odirect=not args.no_odirect,
+        n_threads=args.threads,
+        n_ctx=args.ctx,
+        cache_bytes=None if args.cache_mb is None else int(args.cache_mb * MiB),
+        cache_ceiling_bytes=None if args.cache_ceil_mb is None else int(args.cache_ceil_mb * MiB),
+        force_cache=args.force,
+        cache_profile=args.cache_profile,
+        pressure_guard=not args.no_pressure_guard,
+        dense_weights=args.dense_weights,
+        open_mode=args.open_mode,
+        prefill=getattr(args, "prefill", "auto"),
+        route_trace=args.route_trace,
+        overlap=args.overlap,
+        prefetch_layers=args.prefetch,
+        predict_prefetch=args.predict_prefetch,
+        **_lossy_config(args),
+    ).validate()
+
+
+def _model_files(model: Path | None) -> tuple[Path, ...]:
+    """The model and every shard its name implies: the inputs no output may overwrite."""
+    from bmoe.io.layout import split_shard_paths
+
+    return () if model is None else (model, *split_shard_paths(model))
+
+
+def _check_outputs(args: argparse.Namespace, inputs: tuple[Path, ...], *flags: str) -> None:
+    """Refuse, before anything is opened, any output flag that names an input or cannot be written."""
+    from bmoe.io.paths import check_output
+
+    for flag in flags:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+        if value is not None:
+            check_output(value, flag, inputs)

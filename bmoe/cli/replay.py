@@ -1,0 +1,154 @@
+"""``bmoe replay``: a route trace through the pipeline stages for a sweep of budgets, policies and
+overlaps (what-if), as rows, a CSV or a plot."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from bmoe.cli.edge import _run
+from bmoe.cli.flags import (
+    MAX_MIB,
+    _check_outputs,
+    _io_threads,
+    _mib,
+    _model_files,
+    _number,
+)
+from bmoe.engine.config import MiB
+from bmoe.errors import ConfigError
+
+
+def _replay_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("replay", help="replay a route trace through the pipeline stages (what-if)")
+    p.add_argument("trace", type=Path, help="route_trace v1 or v2 file")
+    p.add_argument("-m", "--model", type=Path, default=None, help="read real bytes from this model")
+    p.add_argument("--cache-mb", type=_mb_list, required=True, help="budgets, e.g. 500,1000,2000")
+    p.add_argument("--policy", type=lambda s: s.split(","), default=["default"], help="e.g. lru,default,opt")
+    p.add_argument("--io", choices=("real", "sim"), default=None,
+                   help="real reads from -m, or reads modelled from a probe of this disk (default: real with -m)")
+    p.add_argument("--timing", choices=("model", "measure"), default=None,
+                   help="model: compute hits, bytes and time without sleeping (seconds per sweep; the "
+                        "default for --io sim); measure: run the stages in modelled real time (--io real"
+                        " always measures)")
+    p.add_argument("--io-threads", type=_io_threads, default=2)
+    p.add_argument("--overlap", type=lambda s: s.split(","), default=["none"],
+                   help="none,tensor,expert: modelled overlap of reads with the expert matmuls")
+    p.add_argument("--compute-ms-per-layer", type=_number(float, 0, 1e6, "milliseconds"), default=1.0,
+                   help="modelled compute per layer when the trace has no timings")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--csv", type=Path, default=None)
+    p.add_argument("--plot", type=Path, default=None, help="PNG of hit %% and tok/s against budget")
+    p.set_defaults(func=_cmd_replay)
+
+
+def _mb_list(text: str) -> list[float]:
+    try:
+        values = [_mib(x) for x in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected MiB values (0 to {MAX_MIB:g}) like 500,1000, got {text!r}") from None
+    if len(values) > 1000:
+        raise argparse.ArgumentTypeError(f"at most 1000 budgets, got {len(values)}")
+    return values
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from bmoe.engine.replay import OVERLAP_MODES, ComputeModel, model_replay, replay
+    from bmoe.io.probe import cached_probe
+    from bmoe.io.validate import open_layout
+    from bmoe.pipeline.trace import read_trace
+
+    _check_outputs(args, (args.trace, *_model_files(args.model)), "--csv", "--plot")
+    io = args.io or ("real" if args.model else "sim")
+    if io == "real" and args.model is None:
+        raise ConfigError("--io real reads the model's bytes: give it with -m MODEL (or use --io sim)")
+    if not 1 <= args.io_threads <= 64:
+        raise ConfigError(f"--io-threads must be 1..64, got {args.io_threads}")
+    timing = args.timing or ("model" if io == "sim" else "measure")
+    if timing == "model" and io == "real":
+        raise ConfigError("--timing model computes the reads' time: use it with --io sim (--io real measures)")
+    trace = read_trace(args.trace)
+    layout = open_layout(args.model) if io == "real" else None
+    compute = ComputeModel(trace.timing, args.compute_ms_per_layer / 1e3)
+    bad = [o for o in args.overlap if o not in OVERLAP_MODES]
+    if bad:
+        raise ConfigError(f"--overlap takes {', '.join(OVERLAP_MODES)}; got {', '.join(bad)}")
+    results = []
+    probe = None
+    if timing == "model":
+        probe = cached_probe(args.trace.resolve().parent, max(trace.expert_bytes.values(), default=0) or 4096,
+                             args.io_threads)
+    for overlap in args.overlap:
+        for policy in args.policy:
+            for mb in args.cache_mb:
+                if probe is not None:
+                    r = model_replay(trace, budget_bytes=int(mb * MiB), policy=policy, compute=compute,
+                                     probe=probe, io_threads=args.io_threads, overlap=overlap)
+                else:
+                    r = _run(replay(trace, budget_bytes=int(mb * MiB), policy=policy, compute=compute,
+                                          io_threads=args.io_threads, model=layout, overlap=overlap,
+                                          sim_dir=args.trace.resolve().parent))
+                results.append(r.as_dict())
+                if not args.json:
+                    print(_replay_row(r.as_dict()), flush=True)
+    clock = ("the modelled decode time (no sleeps)" if timing == "model"
+             else "the replay's decode wall time")
+    how = (f"compute: {compute.describe()}; reads: {results[0]['io'] if results else io}; hit % = hits / "
+           f"(hits + experts read) per layer event, decode phase and all phases; tok/s = decode tokens "
+           f"over {clock}")
+    if args.csv is not None:
+        _write_rows(args.csv, results)
+    if args.plot is not None:
+        _plot(args.plot, results, f"{args.trace.name}: {compute.describe()}")
+    if args.json:
+        print(json.dumps({"trace": str(args.trace), "how": how, "results": results}))
+    else:
+        print(how, file=sys.stderr)
+    return 0
+
+
+def _replay_row(r: dict) -> str:
+    def num(v: float | None, fmt: str) -> str:
+        return "unmeasured" if v is None else format(v, fmt)
+
+    return (f"{r['policy']:>8} {r['overlap']:>6} {r['cache_mb']:>8.0f} MiB  decode hit {num(r['decode_hit_pct'], '5.1f')}%  "
+            f"all {num(r['hit_pct'], '5.1f')}%  read {r['bytes_read'] / MiB:9.1f} MiB  "
+            f"{num(r['tok_per_s'], '7.2f')} tok/s")
+
+
+def _write_rows(path: Path, rows: list[dict]) -> None:
+    import csv
+
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def _plot(path: Path, rows: list[dict], title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib: pip install 'bmoe[plot]'") from None
+    fig, (ax_hit, ax_tok) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for series in dict.fromkeys((r["policy"], r["overlap"]) for r in rows):
+        mine = sorted((r for r in rows if (r["policy"], r["overlap"]) == series), key=lambda r: r["cache_mb"])
+        mb = [r["cache_mb"] for r in mine]
+        label = series[0] if series[1] == "none" else f"{series[0]}, overlap {series[1]}"
+        ax_hit.plot(mb, [r["decode_hit_pct"] for r in mine], marker="o", label=label)
+        ax_tok.plot(mb, [r["tok_per_s"] for r in mine], marker="o", label=label)
+    ax_hit.set(xlabel="cache budget (MiB)", ylabel="decode hit %", title="expert cache hit rate")
+    ax_tok.set(xlabel="cache budget (MiB)", ylabel="predicted tok/s", title="replayed decode speed")
+    for ax in (ax_hit, ax_tok):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
