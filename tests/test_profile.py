@@ -13,7 +13,7 @@ from bmoe.engine.config import MiB, RunConfig
 from bmoe.errors import ConfigError
 from bmoe.pipeline.cache import ExpertCache
 from bmoe.pipeline.policies import AdaptiveReusePolicy
-from bmoe.pipeline.profile import load_profile, save_profile
+from bmoe.pipeline.profile import load_profile, prewarm_order, save_profile
 from bmoe.synth.tiny import TinySpec
 from tests.helpers import generate_tokens
 
@@ -85,3 +85,54 @@ def test_profile_at_the_models_path_is_refused(tiny) -> None:  # noqa: ANN001
     with pytest.raises(OutputPathError):
         Session.open(path, RunConfig(n_ctx=256, cache_bytes=2 * MiB, cache_profile=str(path)))
     assert path.read_bytes() == before
+
+
+def test_prewarm_order_takes_the_most_used_that_fit() -> None:
+    usage = {0: np.array([0.1, 0.0, 0.9, 0.5]), 1: np.array([0.8, 0.2, 0.0, 0.0]), 5: np.array([1.0, 1.0])}
+    order = prewarm_order(usage, {0: 100, 1: 100}, 350)  # layer 5 has no experts here: skipped
+    assert order == [(0, 2), (1, 0), (0, 3)]
+    assert prewarm_order(usage, {0: 100, 1: 100}, 10_000) == [(0, 2), (1, 0), (0, 3), (1, 1), (0, 0)]
+    assert prewarm_order(usage, {0: 100, 1: 100}, 99) == []
+
+
+def test_fill_admits_into_free_room_only() -> None:
+    cache = ExpertCache(250, {0: 100}, AdaptiveReusePolicy())
+    cache.plan(0, (1,))
+    assert cache.fill((0, 2)) and not cache.fill((0, 2)), "resident already"
+    assert not cache.fill((0, 3)), "no free room: nothing is evicted for a guess"
+    assert cache.is_resident(0, 1) and cache.resident_bytes == 200
+
+
+def test_prewarm_reads_the_profile_and_gives_the_resident_tokens(tiny, tmp_path: Path) -> None:  # noqa: ANN001
+    """A prewarmed run reads the profile's experts ahead (counted) and gives the resident tokens,
+    whole cache or evicting; the control, prewarm reads that land nothing, changes the tokens: the
+    gate would catch a prewarmed expert used before its bytes are in place."""
+    from bmoe.pipeline.hooks import Hooks
+
+    path = tiny.path(SPEC)
+    profile = tmp_path / "tiny.profile.json"
+    generate_tokens(path, RunConfig(n_ctx=256, cache_bytes=64 * MiB, cache_profile=str(profile)))
+    assert profile.exists()
+    with pytest.raises(ConfigError, match="prewarm"):
+        RunConfig(n_ctx=256, cache_bytes=64 * MiB, prewarm=True)  # no profile to read
+
+    def counting(skip: bool):  # noqa: ANN202
+        seen: list[object] = []
+
+        def before_read(request) -> bool:  # noqa: ANN001
+            if request.speculative:
+                seen.append(request.key)
+                return not skip
+            return True
+
+        return Hooks(before_read=before_read), seen
+
+    for mib in (64, 2):
+        hooks, seen = counting(skip=False)
+        config = RunConfig(n_ctx=256, cache_bytes=mib * MiB, cache_profile=str(profile), prewarm=True)
+        assert generate_tokens(path, config, hooks=hooks) == tiny.resident_tokens(path), mib
+        assert seen, f"{mib} MiB: nothing was prewarmed"
+    hooks, seen = counting(skip=True)
+    config = RunConfig(n_ctx=256, cache_bytes=64 * MiB, cache_profile=str(profile), prewarm=True)
+    assert generate_tokens(path, config, hooks=hooks) != tiny.resident_tokens(path)
+    assert seen

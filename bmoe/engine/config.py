@@ -48,6 +48,9 @@ class RunConfig:
     # Seed the cache policy from this profile at open (if the file exists) and save what the run
     # learned to it at close (bmoe.pipeline.profile); streamed runs with a cache only.
     cache_profile: str | None = None
+    # With a profile: read its most used experts into the cache's free room in the background,
+    # from the first generation on (real reads always first); lossless (bmoe.stages.prefetch).
+    prewarm: bool = False
     # How the model is opened when streaming (bmoe.engine.loader): auto picks the cheapest that works.
     open_mode: OpenMode = "auto"
     # Dense weights: stay in llama.cpp's file mapping, or copied into anonymous memory ("anon").
@@ -115,6 +118,9 @@ class RunConfig:
             raise ConfigError(f"prefetch_layers must be 0..64 layers ahead, got {self.prefetch_layers}")
         if self.prefetch_layers and (self.mode != "stream" or self.cache_bytes == 0):
             raise ConfigError("prefetch reads ahead into the expert cache: stream with a cache budget")
+        if self.prewarm and (self.mode != "stream" or self.cache_bytes == 0 or not self.cache_profile):
+            raise ConfigError("prewarm reads a cache profile's experts into the cache: stream with a cache budget "
+                              "and a cache_profile")
         if self.predict_prefetch and (self.mode != "stream" or self.cache_bytes == 0):
             raise ConfigError("predict_prefetch reads ahead into the expert cache: stream with a cache budget")
         if self.overlap and self.mode != "stream":

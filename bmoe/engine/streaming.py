@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from bmoe.engine.config import RunConfig
-from bmoe.errors import BudgetError
+from bmoe.errors import BudgetError, ConfigError
 from bmoe.io.direct import ShardReader
 from bmoe.io.ggml import GgmlTensor
 from bmoe.io.layout import ModelLayout
@@ -40,7 +40,7 @@ from bmoe.pipeline.gate import RoutingGate
 from bmoe.pipeline.hooks import Hooks
 from bmoe.pipeline.policies import make_policy
 from bmoe.pipeline.pressure import BudgetChange, GuardSettings, PressureGuard
-from bmoe.pipeline.profile import load_profile, save_profile
+from bmoe.pipeline.profile import load_profile, prewarm_order, save_profile
 from bmoe.pipeline.readiness import ReadinessBoard
 from bmoe.stages.bind import Residency, SimResidency
 from bmoe.stages.prefetch import PrefetchStage
@@ -105,6 +105,7 @@ class StreamParts:
     cache: ExpertCache
     budget: Budget
     guard: PressureGuard | None = None
+    prewarm: tuple[tuple[int, int], ...] = ()  # a profile's experts to read into free room, best first
 
     @classmethod
     def live(
@@ -133,8 +134,14 @@ class StreamParts:
         if config.pressure_guard and budget.bytes > 0:
             guard = PressureGuard(budget.bytes, GuardSettings.around(needs.margin + needs.kept_pages))
         policy = make_policy(config.cache_policy)
+        if config.prewarm and not hasattr(policy, "seed"):
+            raise ConfigError(f"prewarm needs a cache policy that learns usage; {config.cache_policy!r} does not")
+        prewarm: tuple[tuple[int, int], ...] = ()
         if config.cache_profile and os.path.exists(config.cache_profile) and hasattr(policy, "seed"):
-            policy.seed(load_profile(config.cache_profile, n_layer=layout.n_layer, n_expert=layout.n_expert))
+            usage = load_profile(config.cache_profile, n_layer=layout.n_layer, n_expert=layout.n_expert)
+            policy.seed(usage)
+            if config.prewarm:
+                prewarm = tuple(prewarm_order(usage, layout.entry_bytes(), budget.bytes))
         cache = ExpertCache(budget.bytes, layout.entry_bytes(), policy)
         residency = Residency(layout, tensors, recycle=recycling_fits(layout, budget.bytes), shared=budget.bytes == 0)
         try:
@@ -143,7 +150,7 @@ class StreamParts:
             residency.close()
             raise
         residency.bind()
-        return cls(residency, reader, cache, budget, guard)
+        return cls(residency, reader, cache, budget, guard, prewarm)
 
     def close(self) -> None:
         """Restore llama.cpp's expert pointers, free the regions, close the reader."""
@@ -177,6 +184,8 @@ class Streamer:
         self.board = ReadinessBoard()
         self.prefetch = prefetch_type(cache, residency, self.board, fast_path.hits, hooks, modes,
                                       between_layers=self.tick)
+        if parts.prewarm:
+            self.prefetch.prewarm(parts.prewarm)
         self.read = ReadStage(self.reader, self.lanes, io_threads, self.board, hooks)
         self.ready = ReadyStage(residency)
         self.trim_s = 0.0

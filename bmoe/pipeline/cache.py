@@ -142,6 +142,16 @@ class ExpertCache:
         self.speculated += 1
         return True, evicted
 
+    def fill(self, entry: Entry) -> bool:
+        """Admit an entry into free room only, never evicting anything, as read ahead of need (a
+        cache profile's guess: it gives way to real routing, stale once its layer is planned
+        without it). False when it is resident already or does not fit in what is free."""
+        if entry in self._resident or self.resident_bytes + self._entry_bytes[entry[0]] > self.budget_bytes:
+            return False
+        admitted, evicted = self.speculate(entry, set())
+        assert not evicted, "a fill never evicts"
+        return admitted
+
     def discard(self, entry: Entry) -> None:
         """Forget an entry whose read failed or was dropped: it must never count as a hit."""
         if entry in self._resident:

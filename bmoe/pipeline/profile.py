@@ -85,3 +85,20 @@ def load_profile(path: str | os.PathLike[str], *, n_layer: int, n_expert: int) -
             raise ConfigError(f"{name}: layer {key}: expected {n_expert} rates in [0, 1]")
         out[int(key)] = np.asarray(values, dtype=np.float64)
     return out
+
+
+def prewarm_order(usage: Mapping[int, np.ndarray], entry_bytes: Mapping[int, int], budget_bytes: int) -> list[tuple[int, int]]:
+    """The (layer, expert) entries worth reading before they are routed: the most used first
+    (a rate is a per-token chance of being routed, comparable across layers), as many as fit in
+    ``budget_bytes``. Entries never seen used (rate 0) are not worth a read."""
+    ranked = sorted(((float(rate), layer, int(e)) for layer, rates in usage.items() if layer in entry_bytes
+                     for e, rate in enumerate(np.asarray(rates).tolist()) if rate > 0),
+                    key=lambda t: (-t[0], t[1], t[2]))
+    out: list[tuple[int, int]] = []
+    room = budget_bytes
+    for _, layer, e in ranked:
+        need = entry_bytes[layer]
+        if need <= room:
+            out.append((layer, e))
+            room -= need
+    return out

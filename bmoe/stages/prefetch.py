@@ -63,6 +63,53 @@ class PrefetchStage:
         # Called at each routing event once earlier fast-path layers are accounted and before the
         # layer is planned (the pressure guard): no layer is pinned, the compute thread waits.
         self._between_layers = between_layers
+        # Prewarm (``prewarm``): entries still to read into free room, best first, a few at a time.
+        self._prewarm: deque[tuple[int, int]] = deque()
+        self._prewarm_flight: dict[tuple[int, int], list] = {}  # entry -> [reads unresolved, any failed]
+        self._prewarm_tries: dict[tuple[int, int], int] = {}
+        self._reads: Channel[ReadItem] | None = None  # the running call's read channel
+
+    PREWARM_IN_FLIGHT = 4  # entries read at once: enough to keep lanes busy, few to drop at a call's end
+
+    def prewarm(self, entries: Sequence[tuple[int, int]]) -> None:
+        """Read ``entries`` (a cache profile's most used experts, best first) into the cache's free
+        room in the background, from the next decode call on: a few at a time as speculative reads,
+        so real reads always go first, each landing making way for the next. Nothing is evicted for
+        them. A read dropped at the end of a call (its call ended before a lane took it) is offered
+        again at the next; the first entry that no longer fits ends the prewarm. Lossless: an
+        entry is marked resident for the compute thread only once a plan uses it and its bytes have
+        landed, like any read-ahead."""
+        self._prewarm = deque(entries)
+
+    def _offer_prewarm(self) -> None:
+        reads = self._reads
+        while reads is not None and self._prewarm and len(self._prewarm_flight) < self.PREWARM_IN_FLIGHT:
+            entry = self._prewarm.popleft()
+            if self._cache.is_resident(*entry):
+                continue
+            if not self._cache.fill(entry):
+                self._prewarm.clear()  # no room left: the cache is full of what the run uses
+                return
+            self.evict((), [entry])
+            requests = self._residency.requests(*entry)
+            self._prewarm_flight[entry] = [len(requests), False]
+            for request in requests:
+                fut = self._issue(replace(request, speculative=True), entry[1], reads)
+                fut.add_done_callback(lambda f, entry=entry: self._prewarm_landed(entry, f))
+
+    def _prewarm_landed(self, entry: tuple[int, int], fut: asyncio.Future[int]) -> None:
+        state = self._prewarm_flight[entry]
+        state[0] -= 1
+        if fut.cancelled() or fut.exception() is not None:
+            state[1] = True
+        if state[0]:
+            return
+        del self._prewarm_flight[entry]
+        if state[1]:  # dropped at a call's end, or failed (the cache forgot it): offered again, twice at most
+            tries = self._prewarm_tries[entry] = self._prewarm_tries.get(entry, 0) + 1
+            if tries <= 2:
+                self._prewarm.appendleft(entry)
+        self._offer_prewarm()
 
     def account_fast_hits(self) -> None:
         """Plan the layers the routing gate served alone because all were resident, in order: the
@@ -104,6 +151,8 @@ class PrefetchStage:
         reads: Channel[ReadItem],
         layers: Channel[LayerReads],
     ) -> None:
+        self._reads = reads
+        self._offer_prewarm()
         try:
             async for event in events:
                 if isinstance(event, ReadAhead):
@@ -144,6 +193,7 @@ class PrefetchStage:
                     self._read_ahead(event, reads)
                 self._planned(event, plan, by_proj)  # only now: read-ahead may have evicted
         finally:
+            self._reads = None
             reads.close()
             layers.close()
 
