@@ -78,6 +78,9 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-profile", default=None, metavar="FILE",
                    help="seed the cache policy from this JSON profile if it exists, save what the run "
                         "learned to it at the end (lossless: only the eviction order changes)")
+    p.add_argument("--prewarm", action="store_true",
+                   help="with --cache-profile: read the profile's most used experts into the cache's free room "
+                        "in the background from the first prompt on (lossless; real reads go first)")
     p.add_argument("--force", action="store_true",
                    help="run a --cache-mb that the memory model says cannot fit (warned, not refused)")
     p.add_argument("--no-pressure-guard", action="store_true",
@@ -196,6 +199,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
         cache_ceiling_bytes=None if args.cache_ceil_mb is None else int(args.cache_ceil_mb * MiB),
         force_cache=args.force,
         cache_profile=args.cache_profile,
+        prewarm=args.prewarm,
         pressure_guard=not args.no_pressure_guard,
         dense_weights=args.dense_weights,
         open_mode=args.open_mode,

@@ -119,8 +119,8 @@ class RunConfig:
         if self.prefetch_layers and (self.mode != "stream" or self.cache_bytes == 0):
             raise ConfigError("prefetch reads ahead into the expert cache: stream with a cache budget")
         if self.prewarm and (self.mode != "stream" or self.cache_bytes == 0 or not self.cache_profile):
-            raise ConfigError("prewarm reads a cache profile's experts into the cache: stream with a cache budget "
-                              "and a cache_profile")
+            raise ConfigError("prewarm reads a cache profile's experts into the cache: it needs streaming, a cache "
+                              "budget and a cache profile (--cache-profile)")
         if self.predict_prefetch and (self.mode != "stream" or self.cache_bytes == 0):
             raise ConfigError("predict_prefetch reads ahead into the expert cache: stream with a cache budget")
         if self.overlap and self.mode != "stream":
