@@ -115,6 +115,11 @@ def test_bench_json_and_files_under_a_ram_limit(model: Path, tmp_path: Path, mon
     ttft = result["ttft_s"]
     assert len(ttft) == 2 and all(v > 0 for v in ttft.values())
     assert [int(k) for k in ttft] == sorted(int(k) for k in ttft) and 2 <= int(next(iter(ttft))) <= 5
+    floor = result["ttft_floor"]  # each first token against its reads at the probed rate plus its compute
+    assert set(floor) == set(ttft) and "ttft_floor" in result["how"]
+    for k, f in floor.items():
+        assert f["ttft_s"] == ttft[k] and f["floor_s"] > 0 and f["read_mib"] >= 0 and f["compute_s"] >= 0
+        assert f["floor_s"] >= f["compute_s"] and f["ttft_over_floor"] > 0  # of unrounded seconds
     assert [(r["budget_mb"], r["status"]) for r in result["budget_sweep"]] == [(1.0, "measured"), (4.0, "measured")]
     assert all(r["tok_per_s"] > 0 and r["hit_pct"] is not None for r in result["budget_sweep"])
     sq = result["squeeze"]
