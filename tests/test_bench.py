@@ -252,3 +252,28 @@ def test_balloon_refusal_is_a_budget_error(monkeypatch: pytest.MonkeyPatch) -> N
         pytest.skip("RLIMIT_MEMLOCK is unlimited here")
     with pytest.raises(BudgetError, match="could not lock"):
         Balloon(soft + 64 * MiB).inflate()
+
+
+def test_a_child_timed_out_after_its_measured_generation_keeps_it(model: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The time-to-first-token prompts run after the measured generation: a timeout there keeps the
+    generation's figures and says what is missing; a timeout before it is the row's error."""
+    partial = {"tokens": [1, 2], "stats": {"mode": "stream", "tok_per_s": 2.0}, "warnings": [],
+               "partial": "during the time-to-first-token prompts: those are missing"}
+
+    def fake_run(cmd: list[str], **kw: object) -> None:
+        if write:
+            Path(cmd[-1]).write_text(json.dumps(partial))
+        raise subprocess.TimeoutExpired(cmd, 5.0)
+
+    monkeypatch.setattr(harness.subprocess, "run", fake_run)
+    opts = harness.BenchOptions(model=model, timeout_s=5.0)
+    for write in (True, False):
+        run = harness.Run("stream_auto", "auto", "bmoe", {})
+        harness.execute(run, model, opts, tmp_path)
+        if write:
+            assert run.error is None and run.result is not None and run.result["tokens"] == [1, 2]
+            assert "partial" not in run.result and run.result["warnings"] == [
+                "timed out after 5 s during the time-to-first-token prompts: those are missing"]
+        else:
+            assert run.result is None and run.error == "timed out after 5 s"

@@ -444,7 +444,13 @@ def execute(run: Run, model: Path, opts: BenchOptions, scratch: Path) -> None:
             check=False, capture_output=True, text=True, timeout=timeout,
         )
     except subprocess.TimeoutExpired:
-        run.error = f"timed out after {timeout:.0f} s"
+        partial = json.loads(result_path.read_text()) if result_path.exists() else {}
+        if "partial" in partial:  # the measured generation finished: keep it, say what is missing
+            missing = f"timed out after {timeout:.0f} s {partial.pop('partial')}"
+            partial["warnings"] = [*partial.get("warnings", []), missing]
+            run.result = partial
+        else:
+            run.error = f"timed out after {timeout:.0f} s"
         return
     if result_path.exists():
         data = json.loads(result_path.read_text())
@@ -466,7 +472,7 @@ def _delta(a: int | None, b: int | None) -> int | None:
     return None if a is None or b is None else b - a
 
 
-async def _bmoe_child(spec: dict[str, Any]) -> dict[str, Any]:
+async def _bmoe_child(spec: dict[str, Any], checkpoint: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     from bmoe.engine.config import RunConfig
     from bmoe.engine.session import Session
 
@@ -489,15 +495,20 @@ async def _bmoe_child(spec: dict[str, Any]) -> dict[str, Any]:
             tokens, stats = g.tokens, g.stats
         io1, faults1 = read_io_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
         assert stats is not None
-        ttft, ttft_detail = await _ttft(s, spec.get("ttft_lengths") or ())
-        return {
+        out = {
             "tokens": tokens, "stats": stats.as_dict(), "open_s": open_s,
             "open_mode": s.open_mode, "open_reason": s.open_reason, "io_mode": s.io_mode,
             "io_fallback_reason": s.io_fallback_reason, "warnings": s.warnings, "budget_how": s.budget_how,
             "warmup_stats": warm.stats.as_dict() if warm is not None and warm.stats is not None else None,
             "disk_read_bytes": _delta(io0, io1), "major_faults": faults1 - faults0,
-            "ttft_s": ttft, "ttft_detail": ttft_detail, "squeeze": squeeze, "map_count": _map_count(),
+            "ttft_s": None, "ttft_detail": None, "squeeze": squeeze, "map_count": _map_count(),
         }
+        lengths = spec.get("ttft_lengths") or ()
+        if lengths:  # a timeout in the prompts below keeps the measured generation
+            checkpoint(out | {"partial": "during the time-to-first-token prompts: those are missing",
+                              "peak_rss_bytes": peak_rss_bytes()})
+        out["ttft_s"], out["ttft_detail"] = await _ttft(s, lengths)
+        return out
 
 
 def _map_count() -> int | None:
@@ -649,15 +660,22 @@ def child_main(spec_path: str, result_path: str) -> int:
         if spec["kind"] == "mmap":
             out = _mmap_child(spec)
         else:
-            out = run_async(_bmoe_child(spec))
+            out = run_async(_bmoe_child(spec, lambda partial: _write_json(Path(result_path), partial)))
         out["peak_rss_bytes"] = peak_rss_bytes()  # VmHWM: ru_maxrss would carry the parent's peak
         code = 0
     except BmoeError as e:
         out, code = {"error": f"{type(e).__name__}: {e}"}, 1
     except Exception as e:  # noqa: BLE001 - a child reports any failure as its row's error
         out, code = {"error": f"{type(e).__name__}: {e}"}, 1
-    Path(result_path).write_text(json.dumps(out))
+    _write_json(Path(result_path), out)
     return code
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    """Whole or not at all: the parent may read the file the moment it kills a child that timed out."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
 
 
 # --- summarizing ----------------------------------------------------------------------------------
