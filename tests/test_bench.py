@@ -277,3 +277,47 @@ def test_a_child_timed_out_after_its_measured_generation_keeps_it(model: Path, t
                 "timed out after 5 s during the time-to-first-token prompts: those are missing"]
         else:
             assert run.result is None and run.error == "timed out after 5 s"
+
+
+def test_squeeze_reads_the_stats_of_a_closed_generation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The squeezed generation stops early (a break out of ``Session.stream``): the stream must be
+    closed before its stats are read, or the budget at the end and its changes are still unset."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from bmoe.bench import balloon as balloon_mod
+
+    class FakeBalloon:
+        inflate_s, lock = 0.5, False
+
+        def __init__(self, nbytes: int, lock: bool = True) -> None:
+            pass
+
+        def start(self) -> None:
+            pass
+
+        def ready_nowait(self) -> bool:
+            return True
+
+        def release(self) -> None:
+            pass
+
+    class FakeSession:
+        budget_bytes = 100 * MiB
+        last_stats: SimpleNamespace | None = None
+
+        async def stream(self, _prompt: str, cap: int, stop_at_end: bool = True):  # noqa: ANN201
+            stats = SimpleNamespace(budget_bytes_end=None, budget_changes=None)
+            self.last_stats = stats
+            try:
+                for i in range(cap):
+                    yield SimpleNamespace(token=i, metrics=SimpleNamespace(wall_ms=100.0))
+            finally:  # as Session.stream: the stats are finished when the generator closes
+                stats.budget_bytes_end, stats.budget_changes = 60 * MiB, [{"old": 100 * MiB, "new": 60 * MiB}]
+
+    monkeypatch.setattr(balloon_mod, "Balloon", FakeBalloon)
+    monkeypatch.setattr(balloon_mod, "has_cap_ipc_lock", lambda: False)
+    tokens, sq = asyncio.run(harness._squeezed_generation(FakeSession(), {"tokens": 8, "squeeze_bytes": GiB,
+                                                                          "prompt": "p"}))
+    assert len(tokens) < harness.SQUEEZE_TOKENS_CAP * 8, "it stopped early: the case under test"
+    assert sq["budget_bytes_after"] == 60 * MiB and sq["budget_changes"] == [{"old": 100 * MiB, "new": 60 * MiB}]

@@ -60,7 +60,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -562,20 +562,23 @@ async def _squeezed_generation(s: Any, spec: dict[str, Any]) -> tuple[list[int],
     started_at = held_at = None
     budget_before = budget_after_hold = None
     try:
-        async for piece in s.stream(spec["prompt"], cap, stop_at_end=False):
-            if piece.token is None:
-                continue
-            tokens.append(piece.token)
-            if piece.metrics is not None:
-                walls.append(piece.metrics.wall_ms / 1e3)
-            if started_at is not None and held_at is None and balloon.ready_nowait():
-                held_at, budget_after_hold = len(tokens), s.budget_bytes
-            if len(tokens) == half:
-                budget_before = s.budget_bytes
-                balloon.start()
-                started_at = len(tokens)
-            if held_at is not None and len(tokens) - held_at >= max(2, half - 1):
-                break
+        # Closed on the break below, so the generation's stats are final (budget at the end, changes,
+        # reads, hits) before they are read: a generator left open finishes them only when collected.
+        async with aclosing(s.stream(spec["prompt"], cap, stop_at_end=False)) as pieces:
+            async for piece in pieces:
+                if piece.token is None:
+                    continue
+                tokens.append(piece.token)
+                if piece.metrics is not None:
+                    walls.append(piece.metrics.wall_ms / 1e3)
+                if started_at is not None and held_at is None and balloon.ready_nowait():
+                    held_at, budget_after_hold = len(tokens), s.budget_bytes
+                if len(tokens) == half:
+                    budget_before = s.budget_bytes
+                    balloon.start()
+                    started_at = len(tokens)
+                if held_at is not None and len(tokens) - held_at >= max(2, half - 1):
+                    break
     finally:
         inflate_s = balloon.inflate_s
         balloon.release()
