@@ -115,6 +115,11 @@ def test_bench_json_and_files_under_a_ram_limit(model: Path, tmp_path: Path, mon
     ttft = result["ttft_s"]
     assert len(ttft) == 2 and all(v > 0 for v in ttft.values())
     assert [int(k) for k in ttft] == sorted(int(k) for k in ttft) and 2 <= int(next(iter(ttft))) <= 5
+    floor = result["ttft_floor"]  # each first token against its reads at the probed rate plus its compute
+    assert set(floor) == set(ttft) and "ttft_floor" in result["how"]
+    for k, f in floor.items():
+        assert f["ttft_s"] == ttft[k] and f["floor_s"] > 0 and f["read_mib"] >= 0 and f["compute_s"] >= 0
+        assert f["floor_s"] >= f["compute_s"] and f["ttft_over_floor"] > 0  # of unrounded seconds
     assert [(r["budget_mb"], r["status"]) for r in result["budget_sweep"]] == [(1.0, "measured"), (4.0, "measured")]
     assert all(r["tok_per_s"] > 0 and r["hit_pct"] is not None for r in result["budget_sweep"])
     sq = result["squeeze"]
@@ -247,3 +252,72 @@ def test_balloon_refusal_is_a_budget_error(monkeypatch: pytest.MonkeyPatch) -> N
         pytest.skip("RLIMIT_MEMLOCK is unlimited here")
     with pytest.raises(BudgetError, match="could not lock"):
         Balloon(soft + 64 * MiB).inflate()
+
+
+def test_a_child_timed_out_after_its_measured_generation_keeps_it(model: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The time-to-first-token prompts run after the measured generation: a timeout there keeps the
+    generation's figures and says what is missing; a timeout before it is the row's error."""
+    partial = {"tokens": [1, 2], "stats": {"mode": "stream", "tok_per_s": 2.0}, "warnings": [],
+               "partial": "during the time-to-first-token prompts: those are missing"}
+
+    def fake_run(cmd: list[str], **kw: object) -> None:
+        if write:
+            Path(cmd[-1]).write_text(json.dumps(partial))
+        raise subprocess.TimeoutExpired(cmd, 5.0)
+
+    monkeypatch.setattr(harness.subprocess, "run", fake_run)
+    opts = harness.BenchOptions(model=model, timeout_s=5.0)
+    for write in (True, False):
+        run = harness.Run("stream_auto", "auto", "bmoe", {})
+        harness.execute(run, model, opts, tmp_path)
+        if write:
+            assert run.error is None and run.result is not None and run.result["tokens"] == [1, 2]
+            assert "partial" not in run.result and run.result["warnings"] == [
+                "timed out after 5 s during the time-to-first-token prompts: those are missing"]
+        else:
+            assert run.result is None and run.error == "timed out after 5 s"
+
+
+def test_squeeze_reads_the_stats_of_a_closed_generation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The squeezed generation stops early (a break out of ``Session.stream``): the stream must be
+    closed before its stats are read, or the budget at the end and its changes are still unset."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from bmoe.bench import balloon as balloon_mod
+
+    class FakeBalloon:
+        inflate_s, lock = 0.5, False
+
+        def __init__(self, nbytes: int, lock: bool = True) -> None:
+            pass
+
+        def start(self) -> None:
+            pass
+
+        def ready_nowait(self) -> bool:
+            return True
+
+        def release(self) -> None:
+            pass
+
+    class FakeSession:
+        budget_bytes = 100 * MiB
+        last_stats: SimpleNamespace | None = None
+
+        async def stream(self, _prompt: str, cap: int, stop_at_end: bool = True):  # noqa: ANN201
+            stats = SimpleNamespace(budget_bytes_end=None, budget_changes=None)
+            self.last_stats = stats
+            try:
+                for i in range(cap):
+                    yield SimpleNamespace(token=i, metrics=SimpleNamespace(wall_ms=100.0))
+            finally:  # as Session.stream: the stats are finished when the generator closes
+                stats.budget_bytes_end, stats.budget_changes = 60 * MiB, [{"old": 100 * MiB, "new": 60 * MiB}]
+
+    monkeypatch.setattr(balloon_mod, "Balloon", FakeBalloon)
+    monkeypatch.setattr(balloon_mod, "has_cap_ipc_lock", lambda: False)
+    tokens, sq = asyncio.run(harness._squeezed_generation(FakeSession(), {"tokens": 8, "squeeze_bytes": GiB,
+                                                                          "prompt": "p"}))
+    assert len(tokens) < harness.SQUEEZE_TOKENS_CAP * 8, "it stopped early: the case under test"
+    assert sq["budget_bytes_after"] == 60 * MiB and sq["budget_changes"] == [{"old": 100 * MiB, "new": 60 * MiB}]

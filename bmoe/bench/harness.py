@@ -60,7 +60,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -444,7 +444,13 @@ def execute(run: Run, model: Path, opts: BenchOptions, scratch: Path) -> None:
             check=False, capture_output=True, text=True, timeout=timeout,
         )
     except subprocess.TimeoutExpired:
-        run.error = f"timed out after {timeout:.0f} s"
+        partial = json.loads(result_path.read_text()) if result_path.exists() else {}
+        if "partial" in partial:  # the measured generation finished: keep it, say what is missing
+            missing = f"timed out after {timeout:.0f} s {partial.pop('partial')}"
+            partial["warnings"] = [*partial.get("warnings", []), missing]
+            run.result = partial
+        else:
+            run.error = f"timed out after {timeout:.0f} s"
         return
     if result_path.exists():
         data = json.loads(result_path.read_text())
@@ -466,7 +472,7 @@ def _delta(a: int | None, b: int | None) -> int | None:
     return None if a is None or b is None else b - a
 
 
-async def _bmoe_child(spec: dict[str, Any]) -> dict[str, Any]:
+async def _bmoe_child(spec: dict[str, Any], checkpoint: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     from bmoe.engine.config import RunConfig
     from bmoe.engine.session import Session
 
@@ -489,15 +495,20 @@ async def _bmoe_child(spec: dict[str, Any]) -> dict[str, Any]:
             tokens, stats = g.tokens, g.stats
         io1, faults1 = read_io_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
         assert stats is not None
-        ttft = await _ttft(s, spec.get("ttft_lengths") or ())
-        return {
+        out = {
             "tokens": tokens, "stats": stats.as_dict(), "open_s": open_s,
             "open_mode": s.open_mode, "open_reason": s.open_reason, "io_mode": s.io_mode,
             "io_fallback_reason": s.io_fallback_reason, "warnings": s.warnings, "budget_how": s.budget_how,
             "warmup_stats": warm.stats.as_dict() if warm is not None and warm.stats is not None else None,
             "disk_read_bytes": _delta(io0, io1), "major_faults": faults1 - faults0,
-            "ttft_s": ttft, "squeeze": squeeze, "map_count": _map_count(),
+            "ttft_s": None, "ttft_detail": None, "squeeze": squeeze, "map_count": _map_count(),
         }
+        lengths = spec.get("ttft_lengths") or ()
+        if lengths:  # a timeout in the prompts below keeps the measured generation
+            checkpoint(out | {"partial": "during the time-to-first-token prompts: those are missing",
+                              "peak_rss_bytes": peak_rss_bytes()})
+        out["ttft_s"], out["ttft_detail"] = await _ttft(s, lengths)
+        return out
 
 
 def _map_count() -> int | None:
@@ -509,12 +520,14 @@ def _map_count() -> int | None:
         return None
 
 
-async def _ttft(s: Any, lengths: Any) -> dict[str, float] | None:
+async def _ttft(s: Any, lengths: Any) -> tuple[dict[str, float] | None, dict[str, dict[str, Any]] | None]:
     """Prefill seconds of prompts of about each length in tokens, keyed by their exact length (one
-    generated token each, one after another: the cache warm from what ran before)."""
+    generated token each, one after another: the cache warm from what ran before); and per length
+    what the prefill read and waited for, which its physical floor is computed from."""
     if not lengths:
-        return None
+        return None, None
     out: dict[str, float] = {}
+    detail: dict[str, dict[str, Any]] = {}
     text = TTFT_TEXT * (1 + max(lengths) // 4)
     for n in lengths:
         lo, hi = 1, len(text)  # the longest start of the text that is at most n tokens
@@ -527,8 +540,11 @@ async def _ttft(s: Any, lengths: Any) -> dict[str, float] | None:
         prompt = text[:lo]
         g = await s.generate(prompt, 1, stop_at_end=False)
         assert g.stats is not None
-        out[str(g.stats.prompt_tokens)] = g.stats.prefill_s
-    return out
+        key = str(g.stats.prompt_tokens)
+        out[key] = g.stats.prefill_s
+        detail[key] = {"prefill_s": g.stats.prefill_s, "bytes_read": g.stats.bytes_read,
+                       "blocked_s": g.stats.blocked_s, "hit_pct": g.stats.cache_hit_pct}
+    return out, detail
 
 
 async def _squeezed_generation(s: Any, spec: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
@@ -546,20 +562,23 @@ async def _squeezed_generation(s: Any, spec: dict[str, Any]) -> tuple[list[int],
     started_at = held_at = None
     budget_before = budget_after_hold = None
     try:
-        async for piece in s.stream(spec["prompt"], cap, stop_at_end=False):
-            if piece.token is None:
-                continue
-            tokens.append(piece.token)
-            if piece.metrics is not None:
-                walls.append(piece.metrics.wall_ms / 1e3)
-            if started_at is not None and held_at is None and balloon.ready_nowait():
-                held_at, budget_after_hold = len(tokens), s.budget_bytes
-            if len(tokens) == half:
-                budget_before = s.budget_bytes
-                balloon.start()
-                started_at = len(tokens)
-            if held_at is not None and len(tokens) - held_at >= max(2, half - 1):
-                break
+        # Closed on the break below, so the generation's stats are final (budget at the end, changes,
+        # reads, hits) before they are read: a generator left open finishes them only when collected.
+        async with aclosing(s.stream(spec["prompt"], cap, stop_at_end=False)) as pieces:
+            async for piece in pieces:
+                if piece.token is None:
+                    continue
+                tokens.append(piece.token)
+                if piece.metrics is not None:
+                    walls.append(piece.metrics.wall_ms / 1e3)
+                if started_at is not None and held_at is None and balloon.ready_nowait():
+                    held_at, budget_after_hold = len(tokens), s.budget_bytes
+                if len(tokens) == half:
+                    budget_before = s.budget_bytes
+                    balloon.start()
+                    started_at = len(tokens)
+                if held_at is not None and len(tokens) - held_at >= max(2, half - 1):
+                    break
     finally:
         inflate_s = balloon.inflate_s
         balloon.release()
@@ -644,15 +663,22 @@ def child_main(spec_path: str, result_path: str) -> int:
         if spec["kind"] == "mmap":
             out = _mmap_child(spec)
         else:
-            out = run_async(_bmoe_child(spec))
+            out = run_async(_bmoe_child(spec, lambda partial: _write_json(Path(result_path), partial)))
         out["peak_rss_bytes"] = peak_rss_bytes()  # VmHWM: ru_maxrss would carry the parent's peak
         code = 0
     except BmoeError as e:
         out, code = {"error": f"{type(e).__name__}: {e}"}, 1
     except Exception as e:  # noqa: BLE001 - a child reports any failure as its row's error
         out, code = {"error": f"{type(e).__name__}: {e}"}, 1
-    Path(result_path).write_text(json.dumps(out))
+    _write_json(Path(result_path), out)
     return code
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    """Whole or not at all: the parent may read the file the moment it kills a child that timed out."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
 
 
 # --- summarizing ----------------------------------------------------------------------------------
@@ -721,6 +747,24 @@ def _row(run: Run, reference: list[int] | None, ref_id: str | None) -> dict[str,
     row["mem_available_before_mib"] = _r(run.mem_available_before / MiB, 0) if run.mem_available_before else None
     row["load_before"] = _r(run.load_before)
     return row
+
+
+def _ttft_floor(detail: Mapping[str, Mapping[str, Any]] | None,
+                device_mib_s: float | None) -> dict[str, dict[str, float | None]] | None:
+    """Each time to first token against its physical floor: its reads at the device's rate plus its
+    compute. Null when the device rate or the prefill's read figures are unmeasured."""
+    if not detail or not device_mib_s:
+        return None
+    out: dict[str, dict[str, float | None]] = {}
+    for key, d in detail.items():
+        if d.get("bytes_read") is None or d.get("blocked_s") is None:
+            continue
+        compute = max(0.0, d["prefill_s"] - d["blocked_s"])
+        floor = d["bytes_read"] / MiB / device_mib_s + compute
+        out[key] = {"ttft_s": _r(d["prefill_s"], 3), "floor_s": _r(floor, 3), "read_mib": _r(d["bytes_read"] / MiB, 1),
+                    "compute_s": _r(compute, 3), "hit_pct": _r(d.get("hit_pct"), 1),
+                    "ttft_over_floor": _r(d["prefill_s"] / floor, 3) if floor > 0 else None}
+    return out or None
 
 
 def summarize(runs: list[Run], probes: list[dict[str, Any]], layout: Any, opts: BenchOptions,
@@ -804,6 +848,14 @@ def summarize(runs: list[Run], probes: list[dict[str, Any]], layout: Any, opts: 
                      "after its measured generation (warm cache), shortest first; each generates one token")
     if out["ttft_s"] is None:
         notes["ttft_s"] = f"stream_auto: {rows_by['stream_auto']['notes'] or 'no --ttft lengths fit the context'}"
+    out["ttft_floor"] = _ttft_floor(auto.get("ttft_detail"), out["device_read_mb_s"])
+    how["ttft_floor"] = ("per prompt length: floor_s = the bytes that prefill read (what the cache did not hold; "
+                         "O_DIRECT supersets included) at device_read_mb_s, plus its compute (prefill wall time less "
+                         "the compute thread's wait on reads: the streamed compute standing in for the resident one); "
+                         "ttft_over_floor = ttft_s / floor_s")
+    if out["ttft_floor"] is None:
+        notes["ttft_floor"] = ("device_read_mb_s is null" if out["device_read_mb_s"] is None
+                               else "no time to first token with read figures was measured")
     out["budget_sweep"] = [
         {"budget_mb": _r(r.budget_bytes / MiB, 1) if r.budget_bytes else None, "tok_per_s": rows_by[r.id]["tok_s"],
          "hit_pct": rows_by[r.id]["hit_pct"], "status": rows_by[r.id]["status"],
@@ -890,8 +942,11 @@ def _extras_markdown(result: dict[str, Any]) -> list[str]:
     """Time to first token, the budget sweep and the squeeze, where measured."""
     out: list[str] = []
     if result.get("ttft_s"):
-        out += ["## Time to first token (auto budget, warm)", "", "| prompt tokens | seconds |", "|---|---|"]
-        out += [f"| {k} | {v} |" for k, v in result["ttft_s"].items()] + [""]
+        floor = result.get("ttft_floor") or {}
+        out += ["## Time to first token (auto budget, warm)", "", "| prompt tokens | seconds | floor s | over floor |",
+                "|---|---|---|---|"]
+        cells = lambda k: (_cell(floor.get(k, {}).get(c)) for c in ("floor_s", "ttft_over_floor"))  # noqa: E731
+        out += ["| {} | {} | {} | {} |".format(k, v, *cells(k)) for k, v in result["ttft_s"].items()] + [""]
     if result.get("budget_sweep"):
         out += ["## Budget sweep (fixed, forced, guard off)", "", "| budget MiB | tok/s | hit % | peak RSS MiB | status |",
                 "|---|---|---|---|---|"]
