@@ -66,6 +66,21 @@ class ReplayResult:
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
 
+    @classmethod
+    def tally(cls, cache: ExpertCache, budget_bytes: int, hits: list[int], misses: list[int], bytes_read: int,
+              decode_tokens: int, decode_s: float, io: str, overlap: str) -> ReplayResult:
+        """The result from per-phase hits and misses ([prefill, decode]) and the decode time."""
+
+        def pct(h: int, m: int) -> float | None:
+            return 100.0 * h / (h + m) if h + m else None
+
+        return cls(
+            policy=cache.policy_name, cache_mb=budget_bytes / MiB,
+            decode_hit_pct=pct(hits[1], misses[1]), hit_pct=pct(sum(hits), sum(misses)),
+            bytes_read=bytes_read, tok_per_s=decode_tokens / decode_s if decode_s > 0 else None,
+            hits=sum(hits), misses=sum(misses), decode_tokens=decode_tokens, io=io, overlap=overlap,
+        )
+
 
 @dataclass(frozen=True)
 class ComputeModel:
@@ -250,17 +265,8 @@ def model_replay(
             decode_s += t
             decode_tokens += 1
 
-    def pct(h: int, m: int) -> float | None:
-        return 100.0 * h / (h + m) if h + m else None
-
-    return ReplayResult(
-        policy=cache.policy_name, cache_mb=budget_bytes / MiB,
-        decode_hit_pct=pct(hits[1], misses[1]), hit_pct=pct(sum(hits), sum(misses)),
-        bytes_read=read, tok_per_s=decode_tokens / decode_s if decode_s > 0 else None,
-        hits=sum(hits), misses=sum(misses), decode_tokens=decode_tokens,
-        io=f"modelled ({probe.mode} probe, {probe.mib_s:.0f} MiB/s over {probe.lanes} lanes; no sleeps)",
-        overlap=overlap,
-    )
+    io = f"modelled ({probe.mode} probe, {probe.mib_s:.0f} MiB/s over {probe.lanes} lanes; no sleeps)"
+    return ReplayResult.tally(cache, budget_bytes, hits, misses, read, decode_tokens, decode_s, io, overlap)
 
 
 async def replay(
@@ -321,12 +327,4 @@ async def replay(
         streamer.close()
     read = streamer.read.counters.slice_bytes
 
-    def pct(h: int, m: int) -> float | None:
-        return 100.0 * h / (h + m) if h + m else None
-
-    return ReplayResult(
-        policy=cache.policy_name, cache_mb=budget_bytes / MiB,
-        decode_hit_pct=pct(hits[1], misses[1]), hit_pct=pct(sum(hits), sum(misses)),
-        bytes_read=read, tok_per_s=decode_tokens / decode_s if decode_s > 0 else None,
-        hits=sum(hits), misses=sum(misses), decode_tokens=decode_tokens, io=io, overlap=overlap,
-    )
+    return ReplayResult.tally(cache, budget_bytes, hits, misses, read, decode_tokens, decode_s, io, overlap)
