@@ -191,6 +191,35 @@ class EvalCallback:
         self.gate.abort(as_bmoe_error(exc, DecodeAbortedError, "eval callback failed"))
 
 
+class LeverCallback(EvalCallback):
+    """An ``EvalCallback`` whose node function lets a lossy lever see the MoE nodes it rewrites
+    first (``_visit``: True when it wants the node), then runs the plain one. A subclass is chosen
+    at construction, so a run without a lever keeps the plain function (no extra test per node)."""
+
+    def __init__(self, gate: RoutingGate) -> None:
+        super().__init__(gate)
+        self.c_eval = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p)(
+            self._eval_lever
+        )
+
+    def _eval_lever(self, node: int, ask: bool, data: int | None) -> bool:
+        try:
+            mine = (
+                _u64(node + NAME_OFFSET).value == _FFN_MOE and self.streaming and self.capture is None
+                and self._visit(node, ask)
+            )
+        except BaseException as exc:  # noqa: BLE001 - ctypes would swallow it; record and abort
+            self._record(exc)
+            return False
+        theirs = self._eval(node, ask, data)
+        if ask:
+            return mine or theirs
+        return theirs or (mine and not self.gate.aborting)
+
+    def _visit(self, node: int, ask: bool) -> bool:
+        raise NotImplementedError
+
+
 def _router_weights(node: int) -> np.ndarray:
     """The weights of an ``ffn_moe_weights-<il>`` node: F32 [1, k, tokens], strided."""
     t = GgmlTensor.from_address(node)

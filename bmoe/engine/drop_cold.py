@@ -37,15 +37,13 @@ import ctypes
 
 import numpy as np
 
-from bmoe.engine.callback import EvalCallback, _routed_ids, _router_weights
+from bmoe.engine.callback import LeverCallback, _routed_ids, _router_weights
 from bmoe.errors import SeamMismatchError
-from bmoe.io.ggml import NAME_OFFSET, GgmlTensor
+from bmoe.io.ggml import GgmlTensor
 from bmoe.io.layout import ModelLayout
 from bmoe.pipeline.events import PHASE_DECODE
 from bmoe.pipeline.gate import RoutingGate
 
-_u64 = ctypes.c_uint64.from_address
-_FFN_MOE = int.from_bytes(b"ffn_moe_", "little")
 _PREFIX = len("ffn_moe_")
 
 
@@ -140,37 +138,20 @@ class DropCold:
         return self.prefill or phase == PHASE_DECODE
 
 
-class DropColdCallback(EvalCallback):
-    """An ``EvalCallback`` whose node function first lets ``DropCold`` see its three nodes of each
-    MoE layer, then runs the plain one. Chosen at construction, so a run without the lever keeps
-    the plain function (no extra test per node)."""
+class DropColdCallback(LeverCallback):
+    """Lets ``DropCold`` see its three nodes of each MoE layer, then runs the plain callback."""
 
     def __init__(self, gate: RoutingGate, drop: DropCold) -> None:
         super().__init__(gate)
         self.drop = self.lever = drop
-        self.c_eval = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p)(
-            self._eval_drop
-        )
 
     def stream(self, gate: RoutingGate) -> None:
         super().stream(gate)
         self.drop.bind(gate.fast_path.resident)
 
-    def _eval_drop(self, node: int, ask: bool, data: int | None) -> bool:
-        try:
-            mine = (
-                _u64(node + NAME_OFFSET).value == _FFN_MOE and self.streaming and self.capture is None
-                and self.drop.active(self.gate.phase) and self._visit(node, ask)
-            )
-        except BaseException as exc:  # noqa: BLE001 - ctypes would swallow it; record and abort
-            self._record(exc)
-            return False
-        theirs = self._eval(node, ask, data)
-        if ask:
-            return mine or theirs
-        return theirs or (mine and not self.gate.aborting)
-
     def _visit(self, node: int, ask: bool) -> bool:
+        if not self.drop.active(self.gate.phase):
+            return False
         name = GgmlTensor.from_address(node).name[_PREFIX:]
         what, _, tail = name.rpartition(b"-")
         if not tail.isdigit():  # "(reshaped)" views and the like

@@ -30,14 +30,12 @@ import ctypes
 
 import numpy as np
 
-from bmoe.engine.callback import EvalCallback, _routed_ids
+from bmoe.engine.callback import LeverCallback, _routed_ids
 from bmoe.errors import SeamMismatchError
-from bmoe.io.ggml import NAME_OFFSET, GgmlTensor
+from bmoe.io.ggml import GgmlTensor
 from bmoe.io.layout import ModelLayout
 from bmoe.pipeline.gate import RoutingGate
 
-_u64 = ctypes.c_uint64.from_address
-_FFN_MOE = int.from_bytes(b"ffn_moe_", "little")
 _PREFIX = len("ffn_moe_")
 
 
@@ -103,30 +101,12 @@ class RouteAhead:
         ids[:] = ahead
 
 
-class RouteAheadCallback(EvalCallback):
-    """An ``EvalCallback`` whose node function lets ``RouteAhead`` see each MoE layer's logits and
-    topk nodes first, then runs the plain one. Chosen at construction (no cost when off)."""
+class RouteAheadCallback(LeverCallback):
+    """Lets ``RouteAhead`` see each MoE layer's logits and topk nodes, then runs the plain callback."""
 
     def __init__(self, gate: RoutingGate, ahead: RouteAhead) -> None:
         super().__init__(gate)
         self.ahead = self.lever = ahead
-        self.c_eval = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p)(
-            self._eval_ahead
-        )
-
-    def _eval_ahead(self, node: int, ask: bool, data: int | None) -> bool:
-        try:
-            mine = (
-                _u64(node + NAME_OFFSET).value == _FFN_MOE and self.streaming and self.capture is None
-                and self._visit(node, ask)
-            )
-        except BaseException as exc:  # noqa: BLE001 - ctypes would swallow it; record and abort
-            self._record(exc)
-            return False
-        theirs = self._eval(node, ask, data)
-        if ask:
-            return mine or theirs
-        return theirs or (mine and not self.gate.aborting)
 
     def _visit(self, node: int, ask: bool) -> bool:
         what, _, tail = GgmlTensor.from_address(node).name[_PREFIX:].rpartition(b"-")
