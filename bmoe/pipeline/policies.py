@@ -251,6 +251,16 @@ class ExpectedReusePolicy:
         self._cycle = float(len(entry_bytes))
         self._measure_memory()
 
+    def _admit(self, layer: int, e: int) -> _Layer:
+        """Mark ``e`` resident in its layer's state; one admitted without a plan this step (read
+        ahead, or a replay's direct admission) counts as a use now."""
+        st = self._layers.get(layer)
+        if st is None or e >= st.resident.shape[0] or not st.last_step[e] == self._step:
+            self.routed(layer, (e,))
+            st = self._layers[layer]
+        st.resident[e] = True
+        return st
+
     def _arrive(self, layer: int, experts: tuple[int, ...]) -> tuple[_Layer, np.ndarray]:
         """What every routing event starts with: settle the previous one, advance the clock, and
         return the layer's state and the routed ids (the tables grown to hold them)."""
@@ -293,11 +303,7 @@ class ExpectedReusePolicy:
 
     def admitted(self, entry: Entry) -> None:
         layer, e = entry
-        st = self._layers.get(layer)
-        if st is None or e >= st.resident.shape[0] or not st.last_step[e] == self._step:
-            self.routed(layer, (e,))  # admitted without a plan: count it as a use now
-            st = self._layers[layer]
-        st.resident[e] = True
+        st = self._admit(layer, e)
         p = float(st.rates[self._first_row :, e].max())
         key = self._pos + self._cycle / p if p > 0 else np.inf
         self._order[st.row, e] = key - _PROTECT if self._protect else key
@@ -502,11 +508,7 @@ class AdaptiveReusePolicy(ExpectedReusePolicy):
 
     def admitted(self, entry: Entry) -> None:
         layer, e = entry
-        st = self._layers.get(layer)
-        if st is None or e >= st.resident.shape[0] or not st.last_step[e] == self._step:
-            self.routed(layer, (e,))  # admitted without a plan: count it as a use now
-            st = self._layers[layer]
-        st.resident[e] = True
+        st = self._admit(layer, e)
         self._order[st.row, e] = self._mix[layer].keys[e] - (_PROTECT if self._guard else 0.0)
 
     def _duel(self, layer: int, row: int, ids: np.ndarray, keys: np.ndarray) -> None:
