@@ -65,7 +65,7 @@ class PrefetchStage:
         self._between_layers = between_layers
         # Prewarm (``prewarm``): entries still to read into free room, best first, a few at a time.
         self._prewarm: deque[tuple[int, int]] = deque()
-        self._prewarm_flight: dict[tuple[int, int], list] = {}  # entry -> [reads unresolved, any failed]
+        self._prewarm_flight = 0  # entries whose reads are not all resolved yet
         self._prewarm_tries: dict[tuple[int, int], int] = {}
         self._reads: Channel[ReadItem] | None = None  # the running call's read channel
 
@@ -83,7 +83,7 @@ class PrefetchStage:
 
     def _offer_prewarm(self) -> None:
         reads = self._reads
-        while reads is not None and self._prewarm and len(self._prewarm_flight) < self.PREWARM_IN_FLIGHT:
+        while reads is not None and self._prewarm and self._prewarm_flight < self.PREWARM_IN_FLIGHT:
             entry = self._prewarm.popleft()
             if self._cache.is_resident(*entry):
                 continue
@@ -91,21 +91,16 @@ class PrefetchStage:
                 self._prewarm.clear()  # no room left: the cache is full of what the run uses
                 return
             self.evict((), [entry])
-            requests = self._residency.requests(*entry)
-            self._prewarm_flight[entry] = [len(requests), False]
-            for request in requests:
-                fut = self._issue(replace(request, speculative=True), entry[1], reads)
-                fut.add_done_callback(lambda f, entry=entry: self._prewarm_landed(entry, f))
+            reads_of_entry = [self._issue(replace(request, speculative=True), entry[1], reads)
+                              for request in self._residency.requests(*entry)]
+            self._prewarm_flight += 1
+            landed = asyncio.gather(*reads_of_entry, return_exceptions=True)
+            landed.add_done_callback(lambda outcome, entry=entry: self._prewarm_landed(entry, outcome))
 
-    def _prewarm_landed(self, entry: tuple[int, int], fut: asyncio.Future[int]) -> None:
-        state = self._prewarm_flight[entry]
-        state[0] -= 1
-        if fut.cancelled() or fut.exception() is not None:
-            state[1] = True
-        if state[0]:
-            return
-        del self._prewarm_flight[entry]
-        if state[1]:  # dropped at a call's end, or failed (the cache forgot it): offered again, twice at most
+    def _prewarm_landed(self, entry: tuple[int, int], outcome: asyncio.Future[list]) -> None:
+        self._prewarm_flight -= 1
+        if any(isinstance(r, BaseException) for r in outcome.result()):
+            # dropped at a call's end, or failed (the cache forgot it): offered again, twice at most
             tries = self._prewarm_tries[entry] = self._prewarm_tries.get(entry, 0) + 1
             if tries <= 2:
                 self._prewarm.appendleft(entry)
