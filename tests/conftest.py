@@ -14,9 +14,6 @@ from tests.helpers import TinyModels
 # The first-open check runs a child per new file: the suite's many tiny files skip it (and so do
 # the CLI subprocesses, which inherit this); tests/test_isolate.py turns it on for real.
 os.environ["BMOE_ISOLATE"] = "0"
-# --route-ahead is switched off for users until its wrong-bytes bug is found (docs/facts.md); its
-# gates keep running, and tests/test_lossy_route_ahead.py checks the refusal without this.
-os.environ["BMOE_EXPERIMENTAL_ROUTE_AHEAD"] = "1"
 
 
 @pytest.fixture(scope="session")

@@ -55,3 +55,27 @@ def greedy_on(model, n: int, prompt: str = PROMPT):  # noqa: ANN001, ANN201
         tokens.append(int(np.argmax(model.logits())))
         model.decode([tokens[-1]])
     return first, tokens
+
+
+def resident_mismatches(session: Session) -> list[tuple[int, int, int]]:
+    """Every (layer, projection, expert) the streamed ``session`` marks resident whose bytes in
+    memory are not the file's: the gate's fast path computes on exactly these bytes with no read,
+    so any entry here is a token computed on bytes that were not the model's."""
+    import ctypes
+    import os
+
+    residency = session._streaming.residency  # noqa: SLF001 - what the fast path reads
+    layout = residency.layout
+    bad = []
+    fds = [os.open(shard, os.O_RDONLY) for shard in layout.shards]
+    try:
+        for layer in layout.moe_layers:
+            for expert in residency.maps[layer].nonzero()[0].tolist():
+                for request in residency.requests(layer, expert):
+                    want = os.pread(fds[request.shard], request.nbytes, request.offset)
+                    if ctypes.string_at(request.dest, len(want)) != want:
+                        bad.append((layer, request.key.proj, expert))
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return bad

@@ -19,7 +19,7 @@ from bmoe.pipeline.readiness import ReadinessBoard
 from bmoe.stages.bind import SimResidency
 from bmoe.stages.prefetch import PrefetchStage
 from bmoe.synth.tiny import TinySpec
-from tests.helpers import N_TOKENS, PROMPT
+from tests.helpers import N_TOKENS, PROMPT, resident_mismatches
 
 SPEC = TinySpec(n_embd=256, n_ff=256, n_layer=4)
 BUDGET = 4 * MiB  # five experts of 0.75 MiB: tight enough to evict, room to read ahead
@@ -92,6 +92,43 @@ def test_read_ahead_from_the_fast_path_spares_the_layer_about_to_compute() -> No
     asyncio.run(go())
     assert residency.maps[0][1] and residency.maps[0][2] and cache.is_resident(0, 1)
     assert not cache.is_resident(1, 5), "no room without evicting the layer being served"
+
+
+def test_a_layer_served_from_the_fast_path_is_planned_before_a_read_ahead_evicts() -> None:
+    """Issue 16's NaN (route-ahead): the gate serves an all-resident layer without a round trip and
+    leaves its plan for later (``fast_hits``). A read-ahead handled before that plan evicted one of
+    its experts; the late plan then found it missing and admitted it with no read, so the cache held
+    an entry whose slot had another expert's pages, and the layer's next routing took it for a hit.
+    A read-ahead plans the fast-path layers first; an expert it evicts is read again when routed."""
+    import numpy as np
+
+    from bmoe.pipeline.events import ExpertKey
+
+    entry = {0: 100, 1: 100, 2: 100}
+    cache = ExpertCache(300, entry, LruPolicy())  # room for three experts
+    residency = SimResidency(3, 8, entry)
+    fast: deque = deque()
+    stage = PrefetchStage(cache, residency, ReadinessBoard(), fast, Hooks())
+    for layer, expert in ((0, 1), (1, 2), (2, 3)):
+        cache.plan(layer, (expert,))
+        residency.maps[layer][expert] = True
+    one = np.array([0])
+    fast.extend([(0, np.array([1]), one), (1, np.array([2]), one)])  # served again, resident; not yet planned
+
+    async def go() -> list:
+        events, reads, binds = Channel(), Channel(), Channel()
+        task = asyncio.create_task(stage.run(events, reads, binds))
+        events.send_nowait(ReadAhead(2, (4,), frozenset({(1, 2)})))  # from layer 1's fast path: needs room
+        events.send_nowait(RoutingEvent(2, (4,), 1, PHASE_DECODE))
+        events.close()
+        await task
+        return [item[0] async for item in reads if not isinstance(item, ExpertKey)]  # not promotions
+
+    read = {(r.key.layer, r.key.expert) for r in asyncio.run(go())}
+    held = {(layer, e) for layer in range(3) for e in range(8) if cache.is_resident(layer, e)}
+    unread = {(layer, e) for layer, e in held if not residency.maps[layer][e] and (layer, e) not in read}
+    assert not unread, f"the cache holds {sorted(unread)}, never read and not resident"
+    assert held == {(0, 1), (1, 2), (2, 4)}, "the read-ahead evicted the one expert no layer used since"
 
 
 def test_a_late_failure_of_an_abandoned_read_leaves_the_newer_copy_alone() -> None:
@@ -210,3 +247,50 @@ def test_a_newer_read_of_a_key_drops_its_queued_speculative_read() -> None:
         assert not board.busy(key), "every read of the key is resolved"
 
     asyncio.run(go())
+
+
+SPEC_READ_AHEAD = TinySpec(arch="qwen3moe", n_layer=4, n_expert=8, n_expert_used=2)
+PROMPTS = [PROMPT, "A second prompt routes elsewhere.", "Tokens, layers, experts: read ahead of need.", PROMPT]
+
+
+@pytest.mark.parametrize("config", [
+    RunConfig(mode="stream", n_ctx=256, cache_bytes=2 * MiB, route_ahead=1),
+    RunConfig(mode="stream", n_ctx=256, cache_bytes=2 * MiB, route_ahead=2),
+    RunConfig(mode="stream", n_ctx=256, cache_bytes=2 * MiB, predict_prefetch=True),
+], ids=["route-ahead-1", "route-ahead-2", "predict-prefetch"])
+def test_every_expert_the_fast_path_may_use_holds_the_files_bytes(tiny, config: RunConfig) -> None:
+    """Issue 16's NaN: a read-ahead handled before the plan of a layer the gate had served alone
+    evicted that layer's experts; the late plan admitted them again with no read, and a later
+    routing took their slots (another expert's pages) for hits. After every prompt of a run that
+    evicts, every expert marked resident must hold exactly the file's bytes."""
+    path = tiny.path(SPEC_READ_AHEAD)
+
+    async def go() -> list:
+        found = []
+        with Session.open(path, config) as session:
+            assert sum(session.layout.entry_bytes().values()) * 8 > config.cache_bytes, "the cache must evict"
+            for prompt in PROMPTS:
+                await session.generate(prompt, 12, stop_at_end=False)
+                found += resident_mismatches(session)
+        return found
+
+    assert asyncio.run(go()) == []
+
+
+def test_the_check_sees_a_resident_expert_with_wrong_bytes(tiny) -> None:
+    """Negative control: one resident expert's bytes flipped are found."""
+    import ctypes
+
+    async def go() -> list:
+        with Session.open(tiny.path(SPEC_READ_AHEAD), RunConfig(mode="stream", n_ctx=256, cache_bytes=2 * MiB)) as session:
+            await session.generate(PROMPT, 4, stop_at_end=False)
+            residency = session._streaming.residency  # noqa: SLF001
+            layer = residency.layout.moe_layers[0]
+            expert = int(residency.maps[layer].nonzero()[0][0])
+            request = residency.requests(layer, expert)[0]
+            byte = ctypes.c_ubyte.from_address(request.dest + 7)
+            byte.value ^= 0xFF
+            return resident_mismatches(session), (layer, request.key.proj, expert)
+
+    found, flipped = asyncio.run(go())
+    assert found == [flipped]

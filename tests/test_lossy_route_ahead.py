@@ -63,16 +63,3 @@ def test_reads_are_all_issued_ahead_and_deterministic(tiny, n: int) -> None:
 def test_nonsense_is_refused(kw: dict, msg: str) -> None:
     with pytest.raises(ConfigError, match=msg):
         RunConfig(**kw)
-
-
-def test_switched_off_for_users_until_its_wrong_bytes_bug_is_found(monkeypatch) -> None:  # noqa: ANN001
-    """docs/facts.md: with an evicting cache, --route-ahead 1 has computed on bytes that were not
-    the model's. N >= 1 is refused unless the debugging switch is set; N = 0 (passthrough) is not."""
-    from bmoe.engine.config import ROUTE_AHEAD_ENV
-
-    monkeypatch.delenv(ROUTE_AHEAD_ENV, raising=False)
-    with pytest.raises(ConfigError, match="switched off"):
-        RunConfig(cache_bytes=8 * MiB, route_ahead=1)
-    RunConfig(cache_bytes=8 * MiB, route_ahead=0)
-    monkeypatch.setenv(ROUTE_AHEAD_ENV, "1")
-    RunConfig(cache_bytes=8 * MiB, route_ahead=1)

@@ -14,10 +14,6 @@ from dataclasses import asdict, dataclass
 from typing import Literal, get_args
 
 from bmoe.errors import ConfigError
-
-# --route-ahead N >= 1 runs only with this set to 1: a known bug makes it compute on wrong bytes with
-# an evicting cache (docs/facts.md), which no lossy label excuses.
-ROUTE_AHEAD_ENV = "BMOE_EXPERIMENTAL_ROUTE_AHEAD"
 from bmoe.pipeline.policies import POLICIES
 
 Mode = Literal["stream", "resident"]
@@ -154,12 +150,6 @@ class RunConfig:
                 raise ConfigError("route_ahead already reads ahead: drop prefetch_layers / predict_prefetch")
             if f is not None:
                 raise ConfigError("route_ahead and drop_cold_experts both rewrite the routing: pick one")
-            if n >= 1 and os.environ.get(ROUTE_AHEAD_ENV) != "1":
-                raise ConfigError(
-                    "route_ahead is switched off: with an evicting cache it has computed on bytes that were not "
-                    f"the model's (NaN scores; docs/facts.md). Set {ROUTE_AHEAD_ENV}=1 to run it anyway, "
-                    "for debugging only"
-                )
 
     def validate(self) -> RunConfig:
         """The config itself: it was validated when it was made (kept for callers that chain it)."""

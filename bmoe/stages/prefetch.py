@@ -112,7 +112,13 @@ class PrefetchStage:
         fast = self._fast_hits
         while fast:
             layer, experts, ranks = fast.popleft()
-            self._plan(layer, tuple(experts.tolist()), tuple(ranks.tolist()))
+            plan = self._plan(layer, tuple(experts.tolist()), tuple(ranks.tolist()))
+            for e in plan.misses:
+                # The gate found it resident and the layer has computed on it, but the cache has
+                # evicted it since: no read follows a replayed plan, so it must not stay admitted
+                # (a later plan would take its slot, pages and all, for a hit).
+                self._cache.discard((layer, e))
+                self._residency.release(layer, e)
 
     def _plan(self, layer: int, routed: tuple[int, ...], ranks: tuple[int, ...] | None = None) -> Plan:
         """Plan one routed layer, release what it evicts, and remember what it routed."""
@@ -151,6 +157,10 @@ class PrefetchStage:
         try:
             async for event in events:
                 if isinstance(event, ReadAhead):
+                    # The layers the gate served alone are planned first: until then the cache
+                    # has not seen their use, and the read-ahead would evict their experts as
+                    # unused (then the late plan admitted them with no read behind them).
+                    self.account_fast_hits()
                     try:
                         self._speculate([(event.layer, event.experts)], set(event.serving), reads)
                     finally:
