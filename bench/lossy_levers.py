@@ -7,15 +7,23 @@ On a ``bmoe synth`` model the weights are random: agreement and KL measure how f
 perturbs the computation, not what it costs a real model's text.
 
     python bench/lossy_levers.py MODEL [--cache-mb 2000] [-n 16] [--prompts 4] [-t T] [--levers "..."] [--force-cache]
+                                       [--ram-limit GB]
+
+``--ram-limit GB`` emulates a smaller machine for the whole run, as ``bmoe bench --ram-limit`` does
+(an mlock balloon in a child process leaves GB available). Both sessions are open at once: size
+``--cache-mb`` so that two dense parts and two caches fit under the limit.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import sys
 from dataclasses import replace
 from pathlib import Path
 
+from bmoe.bench.balloon import Balloon, GiB, plan_balloon
 from bmoe.engine.aio import run as run_async
 from bmoe.engine.config import MiB, RunConfig
 from bmoe.engine.lossy import parse_lossy
@@ -31,6 +39,16 @@ def default_levers(k: int) -> list[str]:
     ]
 
 
+def measure(args: argparse.Namespace, exact: RunConfig, k: int) -> list[dict]:
+    rows = []
+    for flags in args.levers or default_levers(k):
+        lossy = replace(exact, **parse_lossy(flags))
+        r = run_async(compare(args.model, exact, lossy, shipped_prompts()[: args.prompts], args.tokens)).as_dict()
+        print(json.dumps(r), flush=True)
+        rows.append(r)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", type=Path)
@@ -41,18 +59,23 @@ def main() -> None:
     ap.add_argument("--force-cache", action="store_true",
                     help="open even when the memory model says the budget does not fit now (the pressure "
                          "guard still shrinks it while running)")
+    ap.add_argument("--ram-limit", type=float, default=None, metavar="GB",
+                    help="lock memory in a balloon so that only GB stay available while measuring")
     ap.add_argument("--levers", type=lambda s: s.split(","), default=None,
                     help='comma-separated flag strings, e.g. "--n-expert-used 4,--route-ahead 1"')
     args = ap.parse_args()
-    k = open_layout(args.model).n_expert_used
+    layout = open_layout(args.model)
+    k = layout.n_expert_used
     exact = RunConfig(mode="stream", n_ctx=512, n_threads=args.threads, cache_bytes=int(args.cache_mb * MiB),
                       force_cache=args.force_cache)
-    rows = []
-    for flags in args.levers or default_levers(k):
-        lossy = replace(exact, **parse_lossy(flags))
-        r = run_async(compare(args.model, exact, lossy, shipped_prompts()[: args.prompts], args.tokens)).as_dict()
-        print(json.dumps(r), flush=True)
-        rows.append(r)
+    plan = None
+    if args.ram_limit is not None:  # refused before anything is measured
+        plan = plan_balloon(int(args.ram_limit * GiB), layout.dense_bytes)
+    with contextlib.ExitStack() as stack:
+        if plan is not None and plan.lock_bytes > 0:
+            print(f"balloon: {plan.how}", file=sys.stderr, flush=True)
+            stack.callback(Balloon(plan.lock_bytes).inflate().release)
+        rows = measure(args, exact, k)
     print("\n| lever | exact tok/s | lossy tok/s | ratio | agreement % | KL mean | KL max | MiB read/token exact → lossy |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:

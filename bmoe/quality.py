@@ -128,9 +128,13 @@ async def compare(model: Path, exact: RunConfig, lossy: RunConfig, prompts: list
         raise ConfigError("the prompt set is empty")
     if n < 2:
         raise ConfigError(f"quality needs at least 2 tokens per prompt, got {n}")
-    # Every prompt evaluated from its first token by both: a reused prefix would compute the
-    # prompt in other batches than the exact run did, and the scores would differ in their last bits.
-    exact, lossy = replace(exact, reuse_prompt=False), replace(lossy, reuse_prompt=False)
+    # Every prompt evaluated from its first token by both, in the same batches: a reused prefix, or
+    # the ``auto`` prefill choosing its chunks from each session's own timings, would compute the
+    # prompt in other batches than the exact run did, and the scores would differ in their last bits
+    # (measured at full depth under a RAM limit: K = k gave KL 5e-5 with ``auto``). One batch it is,
+    # unless a strategy was forced.
+    pin = {"reuse_prompt": False, **({"prefill": "batch"} if exact.prefill == "auto" else {})}
+    exact, lossy = replace(exact, **pin), replace(lossy, **pin)
     report = QualityReport(str(model), exact, lossy, n)
     with Session.open(model, exact) as s_exact, Session.open(model, lossy) as s_lossy:
         for session in (s_exact, s_lossy):  # untimed warm-up: the first prompt's bytes met once by both

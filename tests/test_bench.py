@@ -120,6 +120,10 @@ def test_bench_json_and_files_under_a_ram_limit(model: Path, tmp_path: Path, mon
     for k, f in floor.items():
         assert f["ttft_s"] == ttft[k] and f["floor_s"] > 0 and f["read_mib"] >= 0 and f["compute_s"] >= 0
         assert f["floor_s"] >= f["compute_s"] and f["ttft_over_floor"] > 0  # of unrounded seconds
+    cold, cold_floor = result["ttft_cold_s"], result["ttft_cold_floor"]  # a fresh session per prompt
+    assert set(cold) == set(ttft) and set(cold_floor) == set(ttft) and "ttft_cold_s" in result["how"]
+    for k, f in cold_floor.items():  # an empty cache reads the prompt's whole union: never less than warm
+        assert f["ttft_s"] == cold[k] and f["read_mib"] > 0 and f["read_mib"] >= floor[k]["read_mib"]
     assert [(r["budget_mb"], r["status"]) for r in result["budget_sweep"]] == [(1.0, "measured"), (4.0, "measured")]
     assert all(r["tok_per_s"] > 0 and r["hit_pct"] is not None for r in result["budget_sweep"])
     sq = result["squeeze"]

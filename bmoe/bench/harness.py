@@ -501,14 +501,18 @@ async def _bmoe_child(spec: dict[str, Any], checkpoint: Callable[[dict[str, Any]
             "io_fallback_reason": s.io_fallback_reason, "warnings": s.warnings, "budget_how": s.budget_how,
             "warmup_stats": warm.stats.as_dict() if warm is not None and warm.stats is not None else None,
             "disk_read_bytes": _delta(io0, io1), "major_faults": faults1 - faults0,
-            "ttft_s": None, "ttft_detail": None, "squeeze": squeeze, "map_count": _map_count(),
+            "ttft_s": None, "ttft_detail": None, "ttft_cold_s": None, "ttft_cold_detail": None, "squeeze": squeeze, "map_count": _map_count(),
         }
         lengths = spec.get("ttft_lengths") or ()
         if lengths:  # a timeout in the prompts below keeps the measured generation
             checkpoint(out | {"partial": "during the time-to-first-token prompts: those are missing",
                               "peak_rss_bytes": peak_rss_bytes()})
         out["ttft_s"], out["ttft_detail"] = await _ttft(s, lengths)
-        return out
+    if lengths:  # cold: a fresh session per prompt (empty cache), the file dropped from the page cache
+        checkpoint(out | {"partial": "during the cold time-to-first-token prompts: those are missing",
+                          "peak_rss_bytes": peak_rss_bytes()})
+        out["ttft_cold_s"], out["ttft_cold_detail"] = await _ttft_cold(spec, config, lengths)
+    return out
 
 
 def _map_count() -> int | None:
@@ -528,23 +532,45 @@ async def _ttft(s: Any, lengths: Any) -> tuple[dict[str, float] | None, dict[str
         return None, None
     out: dict[str, float] = {}
     detail: dict[str, dict[str, Any]] = {}
-    text = TTFT_TEXT * (1 + max(lengths) // 4)
     for n in lengths:
-        lo, hi = 1, len(text)  # the longest start of the text that is at most n tokens
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if len(s.tokenize(text[:mid])) <= n:
-                lo = mid
-            else:
-                hi = mid - 1
-        prompt = text[:lo]
-        g = await s.generate(prompt, 1, stop_at_end=False)
-        assert g.stats is not None
-        key = str(g.stats.prompt_tokens)
-        out[key] = g.stats.prefill_s
-        detail[key] = {"prefill_s": g.stats.prefill_s, "bytes_read": g.stats.bytes_read,
-                       "blocked_s": g.stats.blocked_s, "hit_pct": g.stats.cache_hit_pct}
+        _first_token(await s.generate(_prompt_of(s, n), 1, stop_at_end=False), out, detail)
     return out, detail
+
+
+async def _ttft_cold(spec: dict[str, Any], config: Any, lengths: Any) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
+    """The same prompts, each the first of a fresh session (an empty cache) opened after the file
+    was dropped from the page cache: a user's first request. The open is not counted."""
+    from bmoe.engine.session import Session
+    from bmoe.io.pagecache import evict_file_cache
+
+    out: dict[str, float] = {}
+    detail: dict[str, dict[str, Any]] = {}
+    for n in lengths:
+        evict_file_cache([spec["model"]])
+        with Session.open(spec["model"], config) as s:
+            _first_token(await s.generate(_prompt_of(s, n), 1, stop_at_end=False), out, detail)
+    return out, detail
+
+
+def _prompt_of(s: Any, n: int) -> str:
+    """The longest start of the TTFT text that is at most ``n`` tokens."""
+    text = TTFT_TEXT * (1 + n // 4)
+    lo, hi = 1, len(text)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(s.tokenize(text[:mid])) <= n:
+            lo = mid
+        else:
+            hi = mid - 1
+    return text[:lo]
+
+
+def _first_token(g: Any, out: dict[str, float], detail: dict[str, dict[str, Any]]) -> None:
+    assert g.stats is not None
+    key = str(g.stats.prompt_tokens)
+    out[key] = g.stats.prefill_s
+    detail[key] = {"prefill_s": g.stats.prefill_s, "bytes_read": g.stats.bytes_read,
+                   "blocked_s": g.stats.blocked_s, "hit_pct": g.stats.cache_hit_pct}
 
 
 async def _squeezed_generation(s: Any, spec: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
@@ -856,6 +882,15 @@ def summarize(runs: list[Run], probes: list[dict[str, Any]], layout: Any, opts: 
     if out["ttft_floor"] is None:
         notes["ttft_floor"] = ("device_read_mb_s is null" if out["device_read_mb_s"] is None
                                else "no time to first token with read figures was measured")
+    out["ttft_cold_s"] = {k: _r(v, 3) for k, v in auto["ttft_cold_s"].items()} if auto.get("ttft_cold_s") else None
+    how["ttft_cold_s"] = ("as ttft_s, but each prompt the first of a fresh session in the auto run's process (empty "
+                          "cache, model file dropped from the page cache, the open not counted): a first request")
+    if out["ttft_cold_s"] is None:
+        notes["ttft_cold_s"] = f"stream_auto: {rows_by['stream_auto']['notes'] or 'no --ttft lengths fit the context'}"
+    out["ttft_cold_floor"] = _ttft_floor(auto.get("ttft_cold_detail"), out["device_read_mb_s"])
+    how["ttft_cold_floor"] = "as ttft_floor, for ttft_cold_s"
+    if out["ttft_cold_floor"] is None:
+        notes["ttft_cold_floor"] = notes.get("ttft_floor") or "no cold time to first token with read figures was measured"
     out["budget_sweep"] = [
         {"budget_mb": _r(r.budget_bytes / MiB, 1) if r.budget_bytes else None, "tok_per_s": rows_by[r.id]["tok_s"],
          "hit_pct": rows_by[r.id]["hit_pct"], "status": rows_by[r.id]["status"],
@@ -941,12 +976,14 @@ def key_figures_markdown(result: dict[str, Any]) -> str:
 def _extras_markdown(result: dict[str, Any]) -> list[str]:
     """Time to first token, the budget sweep and the squeeze, where measured."""
     out: list[str] = []
-    if result.get("ttft_s"):
-        floor = result.get("ttft_floor") or {}
-        out += ["## Time to first token (auto budget, warm)", "", "| prompt tokens | seconds | floor s | over floor |",
+    for key, what in (("ttft_s", "warm"), ("ttft_cold_s", "cold: a fresh session each")):
+        if not result.get(key):
+            continue
+        floor = result.get(key.replace("_s", "_floor")) or {}
+        out += [f"## Time to first token (auto budget, {what})", "", "| prompt tokens | seconds | floor s | over floor |",
                 "|---|---|---|---|"]
         cells = lambda k: (_cell(floor.get(k, {}).get(c)) for c in ("floor_s", "ttft_over_floor"))  # noqa: E731
-        out += ["| {} | {} | {} | {} |".format(k, v, *cells(k)) for k, v in result["ttft_s"].items()] + [""]
+        out += ["| {} | {} | {} | {} |".format(k, v, *cells(k)) for k, v in result[key].items()] + [""]
     if result.get("budget_sweep"):
         out += ["## Budget sweep (fixed, forced, guard off)", "", "| budget MiB | tok/s | hit % | peak RSS MiB | status |",
                 "|---|---|---|---|---|"]
