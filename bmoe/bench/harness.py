@@ -12,7 +12,8 @@ On one prompt, in this order:
    whole bank after a warm-up that fills it ("all cached"); cache off with overlap when RunConfig
    has an ``overlap`` field; the ``auto`` budget with the pressure guard, which also measures the
    time to first token of prompts of 5, 50, 200 and 1000 tokens (``--ttft``, where the context
-   allows; warm: after the measured generation, in that order);
+   allows; warm: after the measured generation, in that order; cold: each again as the first
+   prompt of a fresh session, the file dropped from the page cache, ``ttft_cold_s``);
 5. ``--budgets``: a sweep of fixed budgets (forced past the memory model, pressure guard off), the
    curve and where its cliff is;
 6. ``--squeeze GB``: the auto run again, with a second balloon of that size inflated halfway through
@@ -501,7 +502,8 @@ async def _bmoe_child(spec: dict[str, Any], checkpoint: Callable[[dict[str, Any]
             "io_fallback_reason": s.io_fallback_reason, "warnings": s.warnings, "budget_how": s.budget_how,
             "warmup_stats": warm.stats.as_dict() if warm is not None and warm.stats is not None else None,
             "disk_read_bytes": _delta(io0, io1), "major_faults": faults1 - faults0,
-            "ttft_s": None, "ttft_detail": None, "ttft_cold_s": None, "ttft_cold_detail": None, "squeeze": squeeze, "map_count": _map_count(),
+            "ttft_s": None, "ttft_detail": None, "ttft_cold_s": None, "ttft_cold_detail": None,
+            "squeeze": squeeze, "map_count": _map_count(),
         }
         lengths = spec.get("ttft_lengths") or ()
         if lengths:  # a timeout in the prompts below keeps the measured generation

@@ -1,0 +1,65 @@
+"""All-cached decode against resident, side by side: what the streaming machinery costs when nothing
+has to be read (issue 13's P1 at full depth, where ``bmoe bench --ram-limit`` cannot hold the bank).
+
+Rounds alternate which runs first. Each run is a fresh session: a warm-up generation (which fills
+a cache of ``--cache-mb`` with every expert the prompt and its tokens route to), then the same
+generation again, measured: decode tok/s after the first token, hit %, and the cache's planning
+time per token (``cache_s``). Prints one JSON line per run and the median ratio; nothing asserted.
+
+    python bench/all_cached.py MODEL [-n 48] [--rounds 4] [--cache-mb 16000] [--policies default,lru]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+from pathlib import Path
+
+from bmoe.engine.config import MiB, RunConfig
+from bmoe.engine.session import Session
+
+PROMPT = "The experts of this layer stream from the disk while the next token waits for them."
+
+
+async def measure(model: Path, config: RunConfig, n: int) -> dict:
+    with Session.open(model, config) as s:
+        warm = await s.generate(PROMPT, n, stop_at_end=False)
+        g = await s.generate(PROMPT, n, stop_at_end=False)
+    st = g.stats
+    assert st is not None
+    return {"tok_per_s": st.tok_per_s, "hit_pct": st.cache_hit_pct, "bytes_read": st.bytes_read,
+            "cache_ms_per_token": None if st.cache_s is None else 1000 * st.cache_s / max(1, st.generated_tokens),
+            "same_tokens": g.tokens == warm.tokens}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", type=Path)
+    ap.add_argument("-n", "--tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--cache-mb", type=float, default=16000.0, help="at least the expert bank")
+    ap.add_argument("--policies", default="default", help="cache policies to run all cached, comma separated")
+    args = ap.parse_args()
+    configs = {"resident": RunConfig(mode="resident", n_ctx=512)}
+    for p in args.policies.split(","):
+        configs[f"all_cached_{p}"] = RunConfig(mode="stream", n_ctx=512, cache_bytes=int(args.cache_mb * MiB),
+                                               force_cache=True, cache_policy=p)
+    tok: dict[str, list[float]] = {name: [] for name in configs}
+    for r in range(args.rounds):
+        names = list(configs) if r % 2 == 0 else list(reversed(configs))
+        for name in names:
+            d = asyncio.run(measure(args.model, configs[name], args.tokens))
+            print(json.dumps({"run": name, "round": r, **d}), flush=True)
+            if d["tok_per_s"]:
+                tok[name].append(d["tok_per_s"])
+    base = statistics.median(tok["resident"])
+    for name, values in tok.items():
+        if name != "resident" and values:
+            print(f"{name}: median {statistics.median(values):.2f} tok/s = "
+                  f"{statistics.median(values) / base:.2f}x resident ({base:.2f})")
+
+
+if __name__ == "__main__":
+    main()
