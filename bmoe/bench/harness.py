@@ -871,28 +871,26 @@ def summarize(runs: list[Run], probes: list[dict[str, Any]], layout: Any, opts: 
     ratio("p3_auto_over_mmap", "stream_auto_tok_s", "mmap_norepack_tok_s",
           "the auto budget against the same baseline")
     auto = by_id["stream_auto"].result or {}
-    out["ttft_s"] = {k: _r(v, 3) for k, v in auto["ttft_s"].items()} if auto.get("ttft_s") else None
-    how["ttft_s"] = ("seconds of the prefill decode call, keyed by the prompt's length in tokens, in the auto run "
-                     "after its measured generation (warm cache), shortest first; each generates one token")
-    if out["ttft_s"] is None:
-        notes["ttft_s"] = f"stream_auto: {rows_by['stream_auto']['notes'] or 'no --ttft lengths fit the context'}"
-    out["ttft_floor"] = _ttft_floor(auto.get("ttft_detail"), out["device_read_mb_s"])
-    how["ttft_floor"] = ("per prompt length: floor_s = the bytes that prefill read (what the cache did not hold; "
-                         "O_DIRECT supersets included) at device_read_mb_s, plus its compute (prefill wall time less "
-                         "the compute thread's wait on reads: the streamed compute standing in for the resident one); "
-                         "ttft_over_floor = ttft_s / floor_s")
-    if out["ttft_floor"] is None:
-        notes["ttft_floor"] = ("device_read_mb_s is null" if out["device_read_mb_s"] is None
-                               else "no time to first token with read figures was measured")
-    out["ttft_cold_s"] = {k: _r(v, 3) for k, v in auto["ttft_cold_s"].items()} if auto.get("ttft_cold_s") else None
-    how["ttft_cold_s"] = ("as ttft_s, but each prompt the first of a fresh session in the auto run's process (empty "
-                          "cache, model file dropped from the page cache, the open not counted): a first request")
-    if out["ttft_cold_s"] is None:
-        notes["ttft_cold_s"] = f"stream_auto: {rows_by['stream_auto']['notes'] or 'no --ttft lengths fit the context'}"
-    out["ttft_cold_floor"] = _ttft_floor(auto.get("ttft_cold_detail"), out["device_read_mb_s"])
-    how["ttft_cold_floor"] = "as ttft_floor, for ttft_cold_s"
-    if out["ttft_cold_floor"] is None:
-        notes["ttft_cold_floor"] = notes.get("ttft_floor") or "no cold time to first token with read figures was measured"
+    first_token_how = {
+        "ttft_s": ("seconds of the prefill decode call, keyed by the prompt's length in tokens, in the auto run "
+                   "after its measured generation (warm cache), shortest first; each generates one token"),
+        "ttft_cold_s": ("as ttft_s, but each prompt the first of a fresh session in the auto run's process (empty "
+                        "cache, model file dropped from the page cache, the open not counted): a first request"),
+    }
+    for key, text in first_token_how.items():  # ttft_s, ttft_floor; ttft_cold_s, ttft_cold_floor
+        floor_key = key.replace("_s", "_floor")
+        out[key] = {k: _r(v, 3) for k, v in auto[key].items()} if auto.get(key) else None
+        how[key] = text
+        if out[key] is None:
+            notes[key] = f"stream_auto: {rows_by['stream_auto']['notes'] or 'no --ttft lengths fit the context'}"
+        out[floor_key] = _ttft_floor(auto.get(key.replace("_s", "_detail")), out["device_read_mb_s"])
+        how[floor_key] = ("per prompt length: floor_s = the bytes that prefill read (what the cache did not hold; "
+                          "O_DIRECT supersets included) at device_read_mb_s, plus its compute (prefill wall time less "
+                          "the compute thread's wait on reads: the streamed compute standing in for the resident "
+                          f"one); ttft_over_floor = {key} / floor_s")
+        if out[floor_key] is None:
+            notes[floor_key] = ("device_read_mb_s is null" if out["device_read_mb_s"] is None
+                                else "no time to first token with read figures was measured")
     out["budget_sweep"] = [
         {"budget_mb": _r(r.budget_bytes / MiB, 1) if r.budget_bytes else None, "tok_per_s": rows_by[r.id]["tok_s"],
          "hit_pct": rows_by[r.id]["hit_pct"], "status": rows_by[r.id]["status"],
