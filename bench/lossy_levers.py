@@ -27,6 +27,7 @@ from bmoe.bench.balloon import Balloon, GiB, plan_balloon
 from bmoe.engine.aio import run as run_async
 from bmoe.engine.config import MiB, RunConfig
 from bmoe.engine.lossy import parse_lossy
+from bmoe.errors import BmoeError
 from bmoe.io.validate import open_layout
 from bmoe.quality import compare, shipped_prompts
 
@@ -92,4 +93,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BmoeError as e:  # a bad model, flag or limit: one line, as the CLI says it
+        raise SystemExit(f"lossy_levers: {e}") from None
