@@ -43,14 +43,10 @@ from bmoe.synth.routing import (
     GRID_SHAPES,
     GRID_SKEWS,
     RoutingSpec,
+    draw,
     measure,
+    popularity,
     routing_trace,
-)
-from bmoe.synth.routing import (
-    _draw as draw,
-)
-from bmoe.synth.routing import (
-    _popularity as popularity,
 )
 
 

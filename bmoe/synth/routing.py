@@ -97,7 +97,7 @@ class RoutingSpec:
                 raise ConfigError(f"routing spec: {what}")
 
 
-def _popularity(spec: RoutingSpec, rng: np.random.Generator) -> np.ndarray:
+def popularity(spec: RoutingSpec, rng: np.random.Generator) -> np.ndarray:
     """Per layer, log-probabilities of the experts (layers x experts)."""
     mult = np.exp(SKEW_SIGMA * rng.standard_normal(spec.n_layer) - SKEW_SIGMA**2 / 2)
     if spec.law == "lognormal":
@@ -110,7 +110,7 @@ def _popularity(spec: RoutingSpec, rng: np.random.Generator) -> np.ndarray:
     return logp - np.logaddexp.reduce(logp, axis=1, keepdims=True)
 
 
-def _draw(logp: np.ndarray, k: int, rng: np.random.Generator, exclude: np.ndarray | None = None) -> np.ndarray:
+def draw(logp: np.ndarray, k: int, rng: np.random.Generator, exclude: np.ndarray | None = None) -> np.ndarray:
     """k experts per row without replacement (Gumbel top-k), never one marked in ``exclude``."""
     score = logp + rng.gumbel(size=logp.shape)
     if exclude is not None:
@@ -125,7 +125,7 @@ def _floor(logp: np.ndarray, k: int, rng: np.random.Generator, samples: int = 64
     incl = np.zeros((n_layer, n))
     rows = np.arange(n_layer)[:, None]
     for _ in range(samples):
-        incl[rows, _draw(logp, k, rng)] += 1.0
+        incl[rows, draw(logp, k, rng)] += 1.0
     incl /= samples
     return (incl**2).sum(axis=1) / k
 
@@ -134,7 +134,7 @@ def routing_trace(spec: RoutingSpec) -> RouteTrace:
     """A route trace drawn from ``spec`` (prefill then decode, one turn), as ``read_trace`` gives."""
     rng = np.random.default_rng(spec.seed)
     L, n, k = spec.n_layer, spec.n_expert, spec.top_k
-    logp = _popularity(spec, rng)
+    logp = popularity(spec, rng)
     floor = _floor(logp, k, rng)
     carry = np.clip((spec.reuse - floor) / np.maximum(1.0 - floor, 1e-9), 0.0, 0.999)
     rows = np.arange(L)[:, None]
@@ -144,12 +144,12 @@ def routing_trace(spec: RoutingSpec) -> RouteTrace:
     prev: np.ndarray | None = None
     for t in range(n_tok):
         if prev is None:
-            chosen = _draw(logp, k, rng)
+            chosen = draw(logp, k, rng)
         else:
             keep = rng.random((L, k)) < carry[:, None]
             mask = np.zeros((L, n), dtype=bool)
             mask[rows, prev] = keep
-            fresh = _draw(logp, k, rng, exclude=mask)
+            fresh = draw(logp, k, rng, exclude=mask)
             # Kept experts first, then fresh ones until the set has k.
             n_keep = keep.sum(axis=1)
             chosen = np.empty((L, k), dtype=np.int64)
