@@ -156,18 +156,18 @@ class PrefetchStage:
         self._offer_prewarm()
         try:
             async for event in events:
+                # Whatever the item, the layers the gate served alone are planned first: until
+                # then the cache has not seen their use, and anything this item evicts could be
+                # their experts (a late plan then admitted them with no read behind them).
+                t0 = time.perf_counter()
+                self.account_fast_hits()
                 if isinstance(event, ReadAhead):
-                    # The layers the gate served alone are planned first: until then the cache
-                    # has not seen their use, and the read-ahead would evict their experts as
-                    # unused (then the late plan admitted them with no read behind them).
-                    self.account_fast_hits()
+                    self.cache_s += time.perf_counter() - t0
                     try:
                         self._speculate([(event.layer, event.experts)], set(event.serving), reads)
                     finally:
                         event.planned.set_result(None)
                     continue
-                t0 = time.perf_counter()
-                self.account_fast_hits()
                 if self._between_layers is not None:
                     self._between_layers()
                 plan = self._plan(event.layer, event.experts, event.ranks)
