@@ -131,21 +131,31 @@ def test_a_layer_served_from_the_fast_path_is_planned_before_a_read_ahead_evicts
     assert held == {(0, 1), (1, 2), (2, 4)}, "the read-ahead evicted the one expert no layer used since"
 
 
+def _one_slot_stage(residency_type: type[SimResidency]) -> tuple:
+    """A prefetch stage over an LRU cache with room for one expert (two layers of 100 bytes)."""
+    entry = {0: 100, 1: 100}
+    cache = ExpertCache(100, entry, LruPolicy())
+    residency = residency_type(2, 8, entry)
+    board = ReadinessBoard()
+    return cache, residency, board, PrefetchStage(cache, residency, board, deque(), Hooks())
+
+
+def _guess_wrong_then_read(events: Channel) -> None:
+    """Expert 5 of layer 1 read ahead, evicted for 6 (the guess was wrong), then read for real."""
+    events.send_nowait(ReadAhead(1, (5,), frozenset()))
+    events.send_nowait(RoutingEvent(1, (6,), 0, PHASE_DECODE))
+    events.send_nowait(RoutingEvent(1, (5,), 1, PHASE_DECODE))
+
+
 def test_a_late_failure_of_an_abandoned_read_leaves_the_newer_copy_alone() -> None:
     """A read-ahead evicted while its read was in flight, then read again for real: when the old
     read fails afterwards, the expert read since must stay resident and in the cache."""
-    entry = {0: 100, 1: 100}
-    cache = ExpertCache(100, entry, LruPolicy())  # room for one expert
-    residency = SimResidency(2, 8, entry)
-    board = ReadinessBoard()
-    stage = PrefetchStage(cache, residency, board, deque(), Hooks())
+    cache, residency, board, stage = _one_slot_stage(SimResidency)
 
     async def go() -> None:
         events, reads, binds = Channel(), Channel(), Channel()
         task = asyncio.create_task(stage.run(events, reads, binds))
-        events.send_nowait(ReadAhead(1, (5,), frozenset()))
-        events.send_nowait(RoutingEvent(1, (6,), 0, PHASE_DECODE))  # 5 guessed wrong, evicted for 6
-        events.send_nowait(RoutingEvent(1, (5,), 1, PHASE_DECODE))  # 5 read again, for real
+        _guess_wrong_then_read(events)
         events.close()
         await task
         (old_request, old), _, (new_request, new) = [item async for item in reads]
@@ -184,18 +194,12 @@ def test_an_expert_a_superseded_read_may_still_land_in_never_gives_its_pages_awa
     those bytes (at another page offset) would land in the other expert, resident and bound, and
     the layers that route it compute on garbage. While any read of the entry may land, its pages
     are only released, never handed on."""
-    entry = {0: 100, 1: 100}
-    cache = ExpertCache(100, entry, LruPolicy())  # room for one expert
-    residency = _DonorLog(2, 8, entry)
-    board = ReadinessBoard()
-    stage = PrefetchStage(cache, residency, board, deque(), Hooks())
+    cache, residency, board, stage = _one_slot_stage(_DonorLog)
 
     async def go() -> None:
         events, reads, binds = Channel(), Channel(), Channel()
         task = asyncio.create_task(stage.run(events, reads, binds))
-        events.send_nowait(ReadAhead(1, (5,), frozenset()))
-        events.send_nowait(RoutingEvent(1, (6,), 0, PHASE_DECODE))  # 5 guessed wrong, evicted for 6
-        events.send_nowait(RoutingEvent(1, (5,), 1, PHASE_DECODE))  # 5 read again, for real
+        _guess_wrong_then_read(events)
         old_request, old = await reads.receive()
         await reads.receive()  # 6's read
         new_request, new = await reads.receive()

@@ -18,6 +18,7 @@ from bmoe.cli.flags import (
     _Help,
     _lossy_cli,
     _model_files,
+    _model_flag,
     _sampling,
     _sampling_flags,
     _tokens,
@@ -31,7 +32,7 @@ from bmoe.errors import ConfigError
 def _chat_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="interactive multi-turn chat; the expert cache stays warm",
                        formatter_class=_Help)
-    p.add_argument("-m", "--model", type=Path, required=True, help="GGUF file (shard 1 of a split set)")
+    _model_flag(p)
     p.add_argument("-n", "--n-predict", type=_tokens, default=256, help="most tokens per reply")
     p.add_argument("--system", default=None, help="system message")
     p.add_argument("--no-think", action="store_true",

@@ -62,6 +62,11 @@ def _cache_mb(text: str) -> float | None:
         raise argparse.ArgumentTypeError(f"expected a number of MiB (0 to {MAX_MIB:g}) or 'auto', got {text!r}") from None
 
 
+def _model_flag(p: argparse.ArgumentParser) -> None:
+    """``-m MODEL`` of every command that opens a model (run, chat, serve)."""
+    p.add_argument("-m", "--model", type=Path, required=True, help="GGUF file (shard 1 of a split set)")
+
+
 def _common_flags(p: argparse.ArgumentParser) -> None:
     """The engine flags of every command that opens a model (run, chat, serve), declared once."""
     mode = p.add_mutually_exclusive_group()

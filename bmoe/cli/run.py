@@ -16,6 +16,7 @@ from bmoe.cli.flags import (
     _Help,
     _lossy_cli,
     _model_files,
+    _model_flag,
     _sampling,
     _sampling_flags,
     _tokens,
@@ -28,7 +29,7 @@ from bmoe.errors import ConfigError
 def _run_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="generate text from a MoE GGUF (greedy unless --temp)",
                        formatter_class=_Help)
-    p.add_argument("-m", "--model", type=Path, required=True, help="GGUF file (shard 1 of a split set)")
+    _model_flag(p)
     _prompt_flags(p)
     p.add_argument("-n", "--n-predict", type=_tokens, default=64, help="tokens to generate")
     _common_flags(p)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 
 from bmoe.cli.edge import Interrupted
 from bmoe.cli.flags import (
@@ -14,6 +13,7 @@ from bmoe.cli.flags import (
     _config,
     _Help,
     _model_files,
+    _model_flag,
     _number,
     _verbosity_flags,
 )
@@ -23,7 +23,7 @@ from bmoe.errors import ConfigError
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and text completions)",
                        formatter_class=_Help)
-    p.add_argument("-m", "--model", type=Path, required=True, help="GGUF file (shard 1 of a split set)")
+    _model_flag(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
     p.add_argument("--port", type=_number(int, 0, 65535, "a port"), default=8080, help="port (0: any free one, printed at start)")
     p.add_argument("--api-key", default=os.environ.get("BMOE_API_KEY"),
