@@ -205,3 +205,52 @@ def test_default_never_loses_to_lru_up_to_the_whole_bank(replay: Replays) -> Non
     bank = replay.trace.n_expert * sum(replay.trace.expert_bytes.values()) / MiB
     for mib in (8000, 12000, bank):
         assert replay("default", mib).decode_hit_pct >= replay("lru", mib).decode_hit_pct - 1.0, mib
+
+
+@needs_shared
+def test_the_default_keys_lazily_exactly_as_eagerly(replay: Replays) -> None:
+    """Deferred model updates and keys evict the same entries, in the same order, as keys brought
+    up to date after every plan call (what the policy did before it was lazy)."""
+    events = replay.events[:2500]
+    runs = []
+    for eager in (False, True):
+        policy = AdaptiveReusePolicy()
+        cache = ExpertCache(1000 * MiB, replay.trace.expert_bytes, policy)
+        evicted = []
+        for ev in events:
+            evicted.append(cache.plan(ev.layer, ev.experts, ev.ranks).evictions)
+            if eager:
+                policy.keys()
+            if ev.ends_call:
+                evicted.append(cache.trim())
+                if eager:
+                    policy.keys()
+        runs.append(evicted)
+    assert sum(len(e) for e in runs[0]) > 1000  # the budget evicts throughout
+    assert runs[0] == runs[1]
+
+
+@needs_shared
+def test_the_default_computes_no_keys_while_nothing_is_evicted(replay: Replays, monkeypatch) -> None:
+    """All cached, the policy's cost is bookkeeping: no key is computed (48 of them were 27 ms a
+    token at full depth), and the visits waiting for the model stay within one token's."""
+    decode = [ev for ev in replay.events if ev.phase == 1]
+    policy = AdaptiveReusePolicy()
+    cache = ExpertCache(1 << 40, replay.trace.expert_bytes, policy)
+
+    def serve() -> None:
+        for ev in decode:
+            cache.plan(ev.layer, ev.experts, ev.ranks)
+            if ev.ends_call:
+                cache.trim()
+                assert len(policy._pending) < replay.trace.n_layer
+
+    serve()  # warm: everything routed is now cached
+    calls = []
+    density = AdaptiveReusePolicy._density
+    monkeypatch.setattr(AdaptiveReusePolicy, "_density", lambda self, *a: calls.append(1) or density(self, *a))
+    misses = cache.misses
+    serve()
+    assert cache.misses == misses and not calls
+    policy.keys()  # asked for, the keys come
+    assert calls

@@ -437,8 +437,8 @@ class AdaptiveReusePolicy(ExpectedReusePolicy):
        trades some of those for noisily "popular" experts loses up to 2 points. Two shadow caches
        that only count hits follow the same keys, one as is, one protecting each layer's last set
        for a cycle (the ``reuse`` policy's rule, which is what LRU does there); the real cache
-       protects while the protecting shadow has had more recent hits. The shadows cost two
-       argmax-driven evictions per plan; the model is shared (it depends on the routing only).
+       protects while the protecting shadow has had more recent hits. The model is shared (it
+       depends on the routing only).
 
     No constant is fitted to a trace. The horizons are an octave ladder spanning one visit to more
     than any run's decode; the lookahead grid (half an octave, up to 2048 visits) is a numerical
@@ -446,9 +446,14 @@ class AdaptiveReusePolicy(ExpectedReusePolicy):
     64-visit memory so the weights follow a drift), and the duel's hit counts decay on the same
     64-token memory: 1/16 and 1/256 give the same hits within 0.3 point (docs/facts.md).
 
-    Cost per plan call: a few numpy operations over (horizons x experts) and (experts x grid),
-    and the shadows' bookkeeping: about 0.3 ms against 0.1 ms for ``reuse`` on the shared trace
-    (``bench/policy_cost.py``), small beside one expert read (2-3 MiB, milliseconds).
+    **Lazy, batched bookkeeping.** A plan call runs while the compute thread waits, and with every
+    expert cached it is the whole cost of streaming (48 plans of 0.56 ms were 27 ms a token, 0.80x
+    resident). But nothing needs a layer's keys until something is evicted, and a layer's model
+    changes only at its own visits. So a visit only records what it routed (and the shadows count
+    their hits); the model updates are applied when keys are needed (an eviction, an admission, a
+    shadow over budget) or once a token, in waves that update every waiting layer with one set of
+    numpy operations; and a layer's keys are computed from the clock, ``T`` and ``k`` its last
+    visit saw, so the order is the one an eager update gives. All cached, a token costs one wave.
     """
 
     name = "adaptive"
@@ -458,14 +463,24 @@ class AdaptiveReusePolicy(ExpectedReusePolicy):
 
     def __init__(self) -> None:
         super().__init__()
-        n_comp = len(self.ALPHAS) + 1  # the horizons and the uniform prior
-        self._w0 = np.full(n_comp, 1.0 / n_comp)
+        n_h = len(self.ALPHAS)
+        self._w0 = np.full(n_h + 1, 1.0 / (n_h + 1))  # the horizons and the uniform prior
         self._decay = (1.0 - self.ALPHAS)[:, None] ** self.GRID[None, :]  # horizons x grid
         self._gaps = np.diff(self.GRID)
-        self._mix: dict[int, _Mixture] = {}
+        self._keep3 = (1.0 - self.ALPHAS)[None, :, None]
+        self._gain3 = self.ALPHAS[None, :, None]
+        # The per-layer model, one row per layer (the eviction table's rows):
+        self._rates = np.zeros((0, n_h, 64))  # decayed use rates per horizon
+        self._weights = np.zeros((0, n_h + 1))  # the mixture, fitted by online EM
+        self._visits = np.zeros(0, dtype=np.int64)
         self._keys = np.full((0, 64), np.inf)  # every entry's key, resident or not (for the duel)
         self._recent = np.zeros((0, 64), dtype=bool)  # routed at its layer's latest visit
         self._row_bytes = np.zeros(0)
+        # Visits not yet applied to the model: (row, routed ids, weight of the use).
+        self._pending: list[tuple[int, np.ndarray, float]] = []
+        # Rows whose keys are stale: row -> (clock, T, k, guard, routed ids) of its latest visit,
+        # and the entries admitted since with the guard they were admitted under.
+        self._stale: dict[int, tuple[int, float | None, float, bool, np.ndarray, list[tuple[int, bool]]]] = {}
         self._free, self._guarded = _Shadow(False), _Shadow(True)
         self._guard = False  # protect the recent entries now (the guarded shadow is ahead)
 
@@ -476,164 +491,233 @@ class AdaptiveReusePolicy(ExpectedReusePolicy):
     def step_end(self) -> None:
         super().step_end()
         self._protect = False
+        if len(self._pending) >= self._rates.shape[0]:  # a token's worth: one wave, bounded memory
+            self._apply_pending()
         if self._budget is not None:
             for shadow in (self._free, self._guarded):
-                shadow.trim(self._keys, self._recent, self._row_bytes, self._budget, self.memory_steps)
+                shadow.trim(self, self._budget, self.memory_steps)
         self._guard = (self.memory_steps or 0.0) >= 1.0 and self._guarded.score > self._free.score
 
     def routed(self, layer: int, experts: tuple[int, ...], ranks: tuple[int, ...] | None = None) -> None:
         st, ids = self._arrive(layer, experts)
-        n = self._order.shape[1]
-        mix = self._mix.get(layer)
-        if mix is None:
-            mix = self._mix[layer] = _Mixture(len(self.ALPHAS), n, self._w0)
-        mix.grow(n)
-        dist = mix.distributions()
-        if ids.size and mix.visits:
-            mix.learn(ids, max(1.0 / (mix.visits + 1), self.EM_MIN_STEP), dist)
-        mix.visits += 1
-        mix.rates *= (1.0 - self.ALPHAS)[:, None]
+        self._fit_tables()
+        row = st.row
         if ids.size:  # a prefill union counts as a fractional use, as for ``reuse``
-            mix.rates[:, ids] += self.ALPHAS[:, None] * min(1.0, self._min_routed / ids.size)
+            self._pending.append((row, ids, min(1.0, self._min_routed / ids.size)))
+        else:
+            self._pending.append((row, ids, 0.0))
         self._note_use(layer, st, ids)
         k = float(self._min_routed if self._min_routed < (1 << 30) else max(ids.size, 1))
-        mix.keys = self._pos + self._cycle / self._density(mix, k, mix.distributions())  # after the update
-        self._duel(layer, st.row, ids, mix.keys)
-        idx = np.flatnonzero(st.resident)
-        order = self._order[st.row]
-        order[:] = _ABSENT
-        order[idx] = mix.keys[idx]
-        if self._guard and ids.size:
-            order[ids[st.resident[ids]]] -= _PROTECT  # the hits; misses are keyed when admitted
-
-    def admitted(self, entry: Entry) -> None:
-        layer, e = entry
-        st = self._admit(layer, e)
-        self._order[st.row, e] = self._mix[layer].keys[e] - (_PROTECT if self._guard else 0.0)
-
-    def _duel(self, layer: int, row: int, ids: np.ndarray, keys: np.ndarray) -> None:
-        """Keep the shared key and recent tables and let both shadows serve this routing."""
-        rows, width = self._order.shape
-        if self._keys.shape != (rows, width):
-            keys_all = np.full((rows, width), np.inf)
-            recent = np.zeros((rows, width), dtype=bool)
-            r0, w0 = self._keys.shape
-            keys_all[:r0, :w0] = self._keys
-            recent[:r0, :w0] = self._recent
-            self._keys, self._recent = keys_all, recent
-            self._row_bytes = np.array([self._entry_bytes.get(il, 1) for il in self._row_layer], dtype=float)
-        self._keys[row] = keys
+        self._stale[row] = (self._pos, self.memory_steps, k, self._guard, ids, [])
         self._recent[row] = False
         self._recent[row, ids] = True
         if self._budget is not None and ids.size:
             for shadow in (self._free, self._guarded):
-                shadow.plan(row, ids, self._keys, self._recent, self._row_bytes, self._budget,
-                            self.memory_steps)
+                shadow.plan(row, ids, self, self._budget, self.memory_steps)
+
+    def admitted(self, entry: Entry) -> None:
+        layer, e = entry
+        row = self._admit(layer, e).row
+        stale = self._stale.get(row)
+        if stale is not None:  # keyed with its row, as of now
+            stale[5].append((e, self._guard))
+        else:
+            self._order[row, e] = self._keys[row, e] - (_PROTECT if self._guard else 0.0)
+
+    def victims(self) -> Iterator[Entry]:
+        self._flush()  # the entries offered last time and kept get their keys back, then rekey
+        self.keys()
+        return super().victims()
+
+    def keys(self) -> np.ndarray:
+        """Every entry's key (rows x experts), brought up to date: the model updates waiting are
+        applied and the stale rows keyed, their resident entries placed in the eviction order."""
+        if self._pending:
+            self._apply_pending()
+        if self._stale:
+            self._key_stale()
+        return self._keys
 
     def usage(self) -> dict[int, np.ndarray]:
         """Per layer, each expert's chance of being routed on a token, from the slowest rate (what
         a cache profile saves)."""
-        return {layer: mix.rates[-1].copy() for layer, mix in self._mix.items()}
+        self.keys()
+        return {layer: self._rates[self._layers[layer].row, -1].copy() for layer in self._row_layer}
 
     def seed(self, usage: Mapping[int, np.ndarray]) -> None:
         """Start from a profile's usage: every horizon but the last visit begins at those rates
         (a new run has no last visit), so popular experts are known before they are routed."""
         for layer, rates in usage.items():
-            self._layer(layer)
+            st = self._layer(layer)
             self._fit(rates.shape[0])
-            n = self._order.shape[1]
-            mix = self._mix.get(layer)
-            if mix is None:
-                mix = self._mix[layer] = _Mixture(len(self.ALPHAS), n, self._w0)
-            mix.grow(n)
-            mix.rates[1:, : rates.shape[0]] = rates[None, :]
+            self._fit_tables()
+            self._rates[st.row, 1:, : rates.shape[0]] = rates[None, :]
 
-    def _density(self, mix: _Mixture, k: float, dist: np.ndarray) -> np.ndarray:
-        """Per expert of the layer: P(routed within T visits) / E[visits held until then]."""
-        n = dist.shape[1]
-        t = self.memory_steps if self.memory_steps is not None else 1.0
+    # -- internals ------------------------------------------------------------------------------
+
+    def _fit_tables(self) -> None:
+        """Grow the model and key tables to the eviction table's rows and width."""
+        rows, width = self._order.shape
+        if self._keys.shape == (rows, width):
+            return
+        r0, w0 = self._keys.shape
+        rates = np.zeros((rows, len(self.ALPHAS), width))
+        rates[:r0, :, :w0] = self._rates
+        weights = np.vstack([self._weights, np.tile(self._w0, (rows - r0, 1))])
+        keys = np.full((rows, width), np.inf)
+        keys[:r0, :w0] = self._keys
+        recent = np.zeros((rows, width), dtype=bool)
+        recent[:r0, :w0] = self._recent
+        self._rates, self._weights, self._keys, self._recent = rates, weights, keys, recent
+        self._visits = np.concatenate([self._visits, np.zeros(rows - r0, dtype=np.int64)])
+        self._row_bytes = np.array([self._entry_bytes.get(il, 1) for il in self._row_layer], dtype=float)
+
+    def _apply_pending(self) -> None:
+        """Apply the waiting visits in order, a wave at a time: each wave takes every row's
+        earliest waiting visit, so a row's visits keep their order."""
+        pending, self._pending = self._pending, []
+        while pending:
+            wave: list[tuple[int, np.ndarray, float]] = []
+            later: list[tuple[int, np.ndarray, float]] = []
+            taken: set[int] = set()
+            for item in pending:
+                if item[0] in taken:
+                    later.append(item)
+                else:
+                    taken.add(item[0])
+                    wave.append(item)
+            self._update(wave)
+            pending = later
+
+    def _update(self, wave: list[tuple[int, np.ndarray, float]]) -> None:
+        """One visit for each of distinct rows: an online-EM step toward the components that
+        explain what it routed, then the rates decay and take the use."""
+        rows = np.fromiter((r for r, _, _ in wave), dtype=np.intp, count=len(wave))
+        width = self._rates.shape[2]
+        routed = np.zeros((rows.size, width))
+        for i, (_, ids, _) in enumerate(wave):
+            routed[i, ids] = 1.0
+        count = routed.sum(axis=1)
+        rates = self._rates[rows]
+        dist = _normalise(rates)
+        learn = (count > 0) & (self._visits[rows] > 0)
+        if learn.any():
+            w = self._weights[rows]
+            wh, wu = w[:, :-1], w[:, -1]
+            q = np.einsum("mh,mhn->mn", wh, dist) + (wu / width)[:, None]
+            ratio = np.divide(routed, q, out=np.zeros_like(q), where=routed > 0)
+            resp = np.empty_like(w)
+            resp[:, :-1] = wh * np.einsum("mhn,mn->mh", dist, ratio)
+            resp[:, -1] = wu * ratio.sum(axis=1) / width
+            resp /= np.maximum(count, 1.0)[:, None]
+            step = np.maximum(1.0 / (self._visits[rows] + 1.0), self.EM_MIN_STEP)[:, None]
+            self._weights[rows] = np.where(learn[:, None], (1.0 - step) * w + step * resp, w)
+        self._visits[rows] += 1
+        gain = np.fromiter((g for _, _, g in wave), dtype=float, count=len(wave))
+        rates *= self._keep3
+        rates += self._gain3 * (routed * gain[:, None])[:, None, :]
+        self._rates[rows] = rates
+
+    def _key_stale(self) -> None:
+        """Key the stale rows as of their latest visits, and place their resident entries in the
+        eviction order (protecting what that visit routed while the guard was on)."""
+        stale, self._stale = self._stale, {}
+        groups: dict[tuple[float | None, float], list[int]] = {}
+        for row, (_, t, k, _, _, _) in stale.items():
+            groups.setdefault((t, k), []).append(row)
+        for (t, k), rows in groups.items():
+            idx = np.array(rows, dtype=np.intp)
+            clock = np.array([stale[r][0] for r in rows], dtype=float)
+            density = self._density(self._rates[idx], self._weights[idx], k, t)
+            self._keys[idx] = clock[:, None] + self._cycle / density
+        for row, (_, _, _, guard, ids, admitted) in stale.items():
+            resident = self._layers[self._row_layer[row]].resident
+            order = self._order[row]
+            keys = self._keys[row]
+            order[:] = _ABSENT
+            np.copyto(order, keys, where=resident)
+            if guard and ids.size:
+                order[ids[resident[ids]]] -= _PROTECT  # what the visit routed and found
+            for e, guarded in admitted:  # what it admitted since, as admitted() would have
+                if resident[e]:
+                    order[e] = keys[e] - (_PROTECT if guarded else 0.0)
+
+    def _density(self, rates: np.ndarray, weights: np.ndarray, k: float, t: float | None) -> np.ndarray:
+        """Per row and expert: P(routed within T visits) / E[visits held until then]."""
+        dist = _normalise(rates)
+        n = dist.shape[2]
+        t = t if t is not None else 1.0
         horizon = min(max(t if t >= 1.0 else 1.0 / max(t, 1e-9), 1.0), float(self.GRID[-1]))
         i = min(int(np.searchsorted(self.GRID, horizon, side="right")) - 1, len(self.GRID) - 2)
-        w = mix.weights
-        # Only the grid up to the horizon matters: p is (experts x grid points 0 .. i).
-        p = (w[:-1, None] * dist).T @ self._decay[:, : i + 1]
-        p += w[-1] / n
+        # Only the grid up to the horizon matters: p is (rows x experts x grid points 0 .. i).
+        p = np.matmul((weights[:, :-1, None] * dist).transpose(0, 2, 1), self._decay[:, : i + 1])
+        p += (weights[:, -1] / n)[:, None, None]
         p *= k
         np.clip(p, 1e-12, 1.0 - 1e-12, out=p)
         # Survival (not routed yet) is geometric between grid points at that point's rate.
         log_miss = np.log1p(-p)
         gaps = self._gaps[:i]
-        log_s = np.zeros((n, i + 1))
-        np.cumsum(log_miss[:, :i] * gaps, axis=1, out=log_s[:, 1:])
+        log_s = np.zeros(p.shape)
+        np.cumsum(log_miss[..., :i] * gaps, axis=2, out=log_s[..., 1:])
         s = np.exp(log_s)
-        held = s[:, :i] * -np.expm1(log_miss[:, :i] * gaps) / p[:, :i]  # visits held per interval
+        held = s[..., :i] * -np.expm1(log_miss[..., :i] * gaps) / p[..., :i]  # visits held per interval
         part = horizon - self.GRID[i]
-        life = held.sum(axis=1) + s[:, i] * -np.expm1(log_miss[:, i] * part) / p[:, i]
-        used = 1.0 - s[:, i] * np.exp(log_miss[:, i] * part)
+        life = held.sum(axis=2) + s[..., i] * -np.expm1(log_miss[..., i] * part) / p[..., i]
+        used = 1.0 - s[..., i] * np.exp(log_miss[..., i] * part)
         return np.maximum(used / np.maximum(life, 1e-12), 1e-12)
+
+
+def _normalise(rates: np.ndarray) -> np.ndarray:
+    """Each horizon's rates as a distribution over the experts (uniform before any use)."""
+    total = rates.sum(axis=-1, keepdims=True)
+    if total.all():
+        return rates / total
+    return np.where(total > 0, rates / np.maximum(total, 1e-300), 1.0 / rates.shape[-1])
 
 
 class _Shadow:
     """A cache that only counts: the entries it would hold evicting by the shared keys, with or
     without one-cycle protection of the recent entries, and its recent hits (a count decayed by
-    1/64 per token, the EM step's memory). Its eviction table is kept row by row, as the layers
-    are visited, so a victim is one argmax."""
+    1/64 per token, the EM step's memory). Counting a hit needs no key; an eviction asks the
+    policy for its keys (bringing them up to date) and takes victims by argmax."""
 
     def __init__(self, guarded: bool) -> None:
         self.guarded = guarded
         self.resident = np.zeros((0, 64), dtype=bool)
-        self.cand = np.full((0, 64), -np.inf)  # key of each resident entry (protected: - 1e12)
-        self.protecting = False
         self.bytes = 0.0
         self.score = 0.0
 
-    def _fit(self, shape: tuple[int, int]) -> None:
+    def plan(self, row: int, ids: np.ndarray, policy: AdaptiveReusePolicy, budget: int,
+             memory: float | None) -> None:
+        shape = policy._keys.shape
         if self.resident.shape != shape:
             r0, w0 = self.resident.shape
             resident = np.zeros(shape, dtype=bool)
-            cand = np.full(shape, -np.inf)
             resident[:r0, :w0] = self.resident
-            cand[:r0, :w0] = self.cand
-            self.resident, self.cand = resident, cand
-
-    def _key_row(self, row: int, keys: np.ndarray, recent: np.ndarray) -> None:
-        cand = np.where(self.resident[row], keys[row], -np.inf)
-        if self.protecting:
-            cand[recent[row] & self.resident[row]] -= _PROTECT
-        self.cand[row] = cand
-
-    def plan(self, row: int, ids: np.ndarray, keys: np.ndarray, recent: np.ndarray, row_bytes: np.ndarray,
-             budget: int, memory: float | None) -> None:
-        self._fit(keys.shape)
-        self._set_protecting(keys, recent, memory)
+            self.resident = resident
         hit = self.resident[row, ids]
-        self.score += float(hit.sum())
-        self.bytes += float((~hit).sum()) * row_bytes[row]
+        n_hit = int(np.count_nonzero(hit))
+        self.score += n_hit
+        self.bytes += (ids.size - n_hit) * policy._row_bytes[row]
         self.resident[row, ids] = True
-        self._key_row(row, keys, recent)
         if self.bytes > budget:
-            saved = self.cand[row, ids].copy()
-            self.cand[row, ids] = -np.inf  # the layer being served is pinned
-            self._evict(row_bytes, budget)
-            self.cand[row, ids] = saved
+            self._evict(policy, budget, memory, pinned=(row, ids))  # the layer being served stays
 
-    def trim(self, keys: np.ndarray, recent: np.ndarray, row_bytes: np.ndarray, budget: int,
-             memory: float | None) -> None:
+    def trim(self, policy: AdaptiveReusePolicy, budget: int, memory: float | None) -> None:
         self.score *= 1.0 - AdaptiveReusePolicy.EM_MIN_STEP
-        if self.resident.shape == keys.shape:
-            self._set_protecting(keys, recent, memory)
-            self._evict(row_bytes, budget)
+        if self.bytes > budget and self.resident.shape == policy._keys.shape:
+            self._evict(policy, budget, memory)
 
-    def _set_protecting(self, keys: np.ndarray, recent: np.ndarray, memory: float | None) -> None:
-        protecting = self.guarded and (memory or 0.0) >= 1.0
-        if protecting != self.protecting:
-            self.protecting = protecting
-            for row in range(keys.shape[0]):
-                self._key_row(row, keys, recent)
-
-    def _evict(self, row_bytes: np.ndarray, budget: int) -> None:
-        flat = self.cand.reshape(-1)
-        width = self.cand.shape[1]
+    def _evict(self, policy: AdaptiveReusePolicy, budget: int, memory: float | None,
+               pinned: tuple[int, np.ndarray] | None = None) -> None:
+        cand = np.where(self.resident, policy.keys(), -np.inf)
+        if self.guarded and (memory or 0.0) >= 1.0:
+            cand[policy._recent & self.resident] -= _PROTECT
+        if pinned is not None:
+            cand[pinned[0], pinned[1]] = -np.inf
+        flat = cand.reshape(-1)
+        width = cand.shape[1]
+        row_bytes = policy._row_bytes
         while self.bytes > budget:
             i = int(flat.argmax())
             if flat[i] == -np.inf:
@@ -642,37 +726,6 @@ class _Shadow:
             r, e = divmod(i, width)
             self.resident[r, e] = False
             self.bytes -= row_bytes[r]
-
-
-class _Mixture:
-    """One layer's next-use model: decayed use rates per horizon and the learned mixture."""
-
-    __slots__ = ("rates", "weights", "visits", "keys")
-
-    def __init__(self, n_rates: int, n: int, w0: np.ndarray) -> None:
-        self.rates = np.zeros((n_rates, n))
-        self.weights = w0.copy()
-        self.visits = 0
-        self.keys = np.full(n, np.inf)
-
-    def grow(self, n: int) -> None:
-        pad = n - self.rates.shape[1]
-        if pad > 0:
-            self.rates = np.pad(self.rates, ((0, 0), (0, pad)))
-            self.keys = np.pad(self.keys, (0, pad), constant_values=np.inf)
-
-    def distributions(self) -> np.ndarray:
-        total = self.rates.sum(axis=1, keepdims=True)
-        if total.all():
-            return self.rates / total
-        return np.where(total > 0, self.rates / np.maximum(total, 1e-300), 1.0 / self.rates.shape[1])
-
-    def learn(self, ids: np.ndarray, step: float, dist: np.ndarray) -> None:
-        """One online-EM step toward the components that explain the routed ``ids``."""
-        comp = np.vstack([dist[:, ids], np.full((1, ids.size), 1.0 / self.rates.shape[1])])
-        q = self.weights @ comp
-        resp = (self.weights[:, None] * comp / q).mean(axis=1)
-        self.weights = (1.0 - step) * self.weights + step * resp
 
 
 POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
