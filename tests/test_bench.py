@@ -16,7 +16,6 @@ import pytest
 from bmoe.bench import harness
 from bmoe.bench.balloon import Balloon, GiB, MiB, plan_balloon
 from bmoe.errors import BudgetError, ConfigError
-from bmoe.io import probe
 from bmoe.synth.tiny import TinySpec, write_tiny
 
 KEYS = ("device_read_mb_s", "stream_cache_off_read_mb_s", "resident_tok_s", "mmap_tok_s", "stream_tok_s",
@@ -28,12 +27,6 @@ LOCK = 64 * MiB
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny(tmp_path_factory.mktemp("bench") / "tiny.gguf", TinySpec())[0]
-
-
-@pytest.fixture(autouse=True)
-def small_probe(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The probe's 256 MiB scratch file is for real devices; plumbing needs a few MiB."""
-    monkeypatch.setattr(probe, "_SCRATCH_BYTES", 4 * MiB)
 
 
 @pytest.fixture

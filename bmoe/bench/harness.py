@@ -2,8 +2,8 @@
 
 On one prompt, in this order:
 
-1. device probe: random O_DIRECT reads of one expert projection's slice (``bmoe.io.probe.measure``
-   on a scratch file in the model's directory) with 1, 2, 4 and 8 lanes;
+1. device probe: random O_DIRECT reads of distinct expert projection slices of the model itself
+   (``bmoe.io.probe.measure_model``) with 1, 2, 4 and 8 lanes;
 2. ``resident``: bmoe with the whole file mapped (skipped, and said so, when the file does not fit
    the memory available);
 3. ``mmap``: stock llama-cpp-python (``llama_cpp.Llama``, no bmoe callback), greedy argmax over its
@@ -39,7 +39,9 @@ Decisions:
   measured generation itself, so every expert it routes to is resident when measured. tok/s then
   excludes the measured generation's first token too (it is the prompt's: ``tok_per_s``).
 - The device probe runs in the parent before the balloon is inflated: O_DIRECT reads bypass the
-  page cache, and its 256 MiB scratch file should not be written under memory pressure.
+  page cache. It reads the model's own slices, not a scratch file: a file just written may be
+  served from a cache below the guest (a virtual disk's host), and the model's bytes are what the
+  engine reads.
 
 Every figure carries how it was measured (``how``); a figure not measured is null with the reason
 in ``notes``, never 0.
@@ -343,7 +345,7 @@ def plan_runs(layout: Any, opts: BenchOptions, available: int) -> list[Run]:
 def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda _l: None) -> dict[str, Any]:
     """Measure everything, write the report files, return the JSON object."""
     from bmoe.io.pagecache import evict_file_cache
-    from bmoe.io.probe import measure
+    from bmoe.io.probe import measure_model
     from bmoe.io.validate import open_layout
 
     opts.validate()
@@ -364,10 +366,10 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda _l: None) 
     for n in lanes:
         log(f"probe: {n} lane(s), {slice_bytes} byte slices")
         try:
-            probes.append(dataclasses.asdict(measure(model.parent, slice_bytes, n)))
+            probes.append(dataclasses.asdict(measure_model(layout, n)))
         except (OSError, BmoeError) as e:
             probes.append({"mib_s": None, "slice_bytes": slice_bytes, "lanes": n, "mode": None, "reads": None,
-                           "how": f"probe failed in {model.parent}: {type(e).__name__}: {e}"})
+                           "how": f"probe failed on {model}: {type(e).__name__}: {e}"})
 
     balloon_info: dict[str, Any] = {"limit_bytes": opts.ram_limit_bytes}
     with _terminate_as_exit(), tempfile.TemporaryDirectory(prefix="bmoe-bench-") as scratch:

@@ -8,8 +8,13 @@ resident the callback returns at once; otherwise the routing gate hands a Routin
 event loop and blocks this (compute) thread until the bytes are in place.
 
 ctypes swallows exceptions raised in a callback and the decode carries on with stale data, so
-every failure is caught, recorded, and turned into an abort: the abort callback then stops the
-graph, and the compute stage raises the recorded error instead of emitting a token.
+every failure is caught, recorded, and turned into an abort: the node function answers False at
+the next node whose result it waits for (a routing or an overlap wait point), which ends the
+graph there, and the compute stage raises the recorded error instead of emitting a token.
+
+No abort callback is installed: ggml's CPU backend calls it after every node, a second Python
+call per node (about 2,700 a token at 48 layers), and it could stop the graph no sooner than the
+next routing does, where nothing computed since the failure is used.
 """
 
 from __future__ import annotations
@@ -91,7 +96,6 @@ class EvalCallback:
         self.c_eval = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p)(
             self._eval
         )
-        self.c_abort = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p)(self._abort)
         self.gate = gate
         self.streaming = False
         self.capture: Capture | Consumption | None = None  # warm-up visitors
@@ -119,9 +123,6 @@ class EvalCallback:
         return self.gate.error
 
     # --- called by llama.cpp on the compute thread -------------------------------------------
-
-    def _abort(self, _data: int | None) -> bool:
-        return self.gate.aborting
 
     def _eval(self, node: int, ask: bool, _data: int | None) -> bool:
         try:

@@ -109,8 +109,8 @@ class LlamaModel:
     def __init__(
         self, opened: OwnedModel, *, n_ctx: int, n_threads: int, callback: EvalCallback, install: bool,
     ) -> None:
-        """``install=False`` leaves llama.cpp without bmoe's eval and abort callbacks (plain
-        resident runs): both are Python calls per graph node, which a baseline must not pay.
+        """``install=False`` leaves llama.cpp without bmoe's eval callback (plain resident runs):
+        it is a Python call per graph node, which a baseline must not pay.
 
         ``opened`` is owned from then on: ``close`` frees it, and so does a failure to create the
         context.
@@ -126,7 +126,6 @@ class LlamaModel:
         cparams.n_threads = cparams.n_threads_batch = n_threads
         if install:
             cparams.cb_eval = callback.c_eval
-            cparams.abort_callback = callback.c_abort
         cparams.no_perf = True
         self.ctx = lib.llama_init_from_model(self.model, cparams)
         if not self.ctx:

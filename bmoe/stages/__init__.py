@@ -33,7 +33,7 @@ stage coroutines; the lane threads run the reads):
    projection the next matmul consumes (overlap mode), marks the experts resident in the map the
    gate reads, and replies.
 7. reply (gate -> callback, compute thread): the callback returns True and the expert matmuls run
-   on the bytes now in place. A failure anywhere is recorded, the abort callback stops the graph,
-   and the compute stage raises it instead of emitting a token.
+   on the bytes now in place. A failure anywhere is recorded, the callback ends the graph at the
+   next node it waits at, and the compute stage raises it instead of emitting a token.
 8. end of the call (loop): the cache trims back under its budget and the next call may start.
 """
