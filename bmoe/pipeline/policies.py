@@ -502,10 +502,8 @@ class AdaptiveReusePolicy(ExpectedReusePolicy):
         st, ids = self._arrive(layer, experts)
         self._fit_tables()
         row = st.row
-        if ids.size:  # a prefill union counts as a fractional use, as for ``reuse``
-            self._pending.append((row, ids, min(1.0, self._min_routed / ids.size)))
-        else:
-            self._pending.append((row, ids, 0.0))
+        # A prefill union counts as a fractional use, as for ``reuse``.
+        self._pending.append((row, ids, min(1.0, self._min_routed / ids.size) if ids.size else 0.0))
         self._note_use(layer, st, ids)
         k = float(self._min_routed if self._min_routed < (1 << 30) else max(ids.size, 1))
         self._stale[row] = (self._pos, self.memory_steps, k, self._guard, ids, [])
