@@ -416,7 +416,7 @@ class Session:
         return usage
 
     def cancel(self) -> None:
-        """Stop the running generation at its next graph node (any thread); it ends with
+        """Stop the running generation at its next MoE layer (any thread); it ends with
         ``finish_reason == "cancelled"``. Nothing happens when none is running."""
         self._cancel_requested = True
         if self._lock is not None and self._lock.locked():
@@ -590,7 +590,7 @@ class Session:
     def close(self) -> None:
         """Restore every rebound pointer before the memory behind it goes, then free the model.
 
-        A generation running on this session stops at its next graph node and ends with
+        A generation running on this session stops at its next MoE layer and ends with
         ``finish_reason == "cancelled"``. If a decode is in flight, close returns at once and the
         decode frees everything as soon as it has stopped (the stage tasks and the compute thread
         still hold the regions until then). Every later call raises SessionClosedError; closing

@@ -126,7 +126,7 @@ class SyncSession:
         return self._portal_call(self.session.chat_template)
 
     def cancel(self) -> None:
-        """Stop the running generation at its next graph node (from any thread)."""
+        """Stop the running generation at its next MoE layer (from any thread)."""
         self.session.cancel()
 
     def set_cache_budget(self, budget_bytes: int) -> None:

@@ -5,7 +5,7 @@ compute of a trace replay. ``route`` runs on the compute thread. If every routed
 is resident it returns at once (no event, no hop: the fast path); otherwise it posts a
 RoutingEvent to the event loop and blocks on the event's reply until the bytes are in place or an
 error says they never will be. ``abort`` (from any thread) fails every waiting event and makes the
-gate refuse further work until the next ``arm``, so a decode can stop at its next node.
+gate refuse further work until the next ``arm``, so a decode stops at its next routing.
 """
 
 from __future__ import annotations

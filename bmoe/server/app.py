@@ -6,7 +6,7 @@ admitted to the wait list (503 with Retry-After when full), waits its turn (FIFO
 ``bmoe.engine.completions`` answers it. Nothing is sent before the engine has accepted the request,
 so a prompt longer than the context is still a 400 when ``stream`` is true. From admission on, a
 listener watches for the client going away: while the request waits, its wait is cancelled; while
-it generates, the generation is cancelled at its next graph node and the next request runs normally.
+it generates, the generation is cancelled at its next MoE layer and the next request runs normally.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ class _Generation(Response):
             state["gone"] = True
             if state["turn"]:
                 if server.session is not None:
-                    server.session.cancel()  # ours is the running generation: stop it at its next node
+                    server.session.cancel()  # ours is the running generation: stop it at its next MoE layer
             elif me is not None:
                 me.cancel()  # still waiting: give up the place
 
