@@ -1,5 +1,9 @@
 """The eval callback: llama.cpp asks it about every graph node, so it is the hottest code in bmoe.
 
+Where a C compiler is available, a filter in C stands in front of it (``bmoe.engine.node_filter``):
+every other node is answered there and only ``ffn_moe_*`` nodes reach this Python code. Without
+it, the name test below answers every node, in Python.
+
 Per node it reads the first 8 bytes of the name as one integer and returns False unless they spell
 ``ffn_moe_``; for those, 8 more bytes decide whether the node is ``ffn_moe_topk-<il>``, the only
 node whose values the serial path needs. At topk (ask=False) the routed ids are valid: the tensor is

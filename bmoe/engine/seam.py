@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from bmoe.engine.callback import EvalCallback
+from bmoe.engine.node_filter import NodeFilter, node_filter
 from bmoe.errors import DecodeAbortedError, LlamaCallError
 
 
@@ -124,8 +125,14 @@ class LlamaModel:
         cparams.n_ctx = n_ctx
         cparams.n_batch = cparams.n_ubatch = min(512, n_ctx)
         cparams.n_threads = cparams.n_threads_batch = n_threads
-        if install:
-            cparams.cb_eval = callback.c_eval
+        self._node_filter: NodeFilter | None = None
+        if install:  # MoE nodes only reach Python when the C filter can be built here
+            self._node_filter = node_filter(callback.c_eval)
+            if self._node_filter is not None:
+                cparams.cb_eval = self._node_filter.fn
+                cparams.cb_eval_user_data = self._node_filter.data
+            else:
+                cparams.cb_eval = callback.c_eval
         cparams.no_perf = True
         self.ctx = lib.llama_init_from_model(self.model, cparams)
         if not self.ctx:

@@ -1,0 +1,60 @@
+"""The C node filter in front of the eval callback: only MoE nodes reach Python, and the tokens are
+the ones the Python filter (and a resident run) give."""
+
+from __future__ import annotations
+
+import pytest
+
+from bmoe.engine import node_filter
+from bmoe.engine.callback import EvalCallback
+from bmoe.engine.config import MiB, RunConfig
+from bmoe.io.ggml import GgmlTensor
+from bmoe.synth.tiny import TinySpec
+from tests.helpers import TinyModels, generate_tokens
+
+SPEC = TinySpec(arch="qwen3moe", n_layer=4, n_expert=8, n_expert_used=2)
+EVICTING = RunConfig(mode="stream", n_ctx=256, cache_bytes=1 * MiB)
+
+
+@pytest.fixture
+def seen(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """The name of every node the Python callback is asked about (from the next context on)."""
+    names: list[bytes] = []
+    plain = EvalCallback._eval
+
+    def counting(self, node, ask, data):  # noqa: ANN001, ANN202
+        names.append(GgmlTensor.from_address(node).name)
+        return plain(self, node, ask, data)
+
+    monkeypatch.setattr(EvalCallback, "_eval", counting)
+    return names
+
+
+def test_only_moe_nodes_reach_python(tiny: TinyModels, seen: list[bytes], monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tiny.path(SPEC)
+    if node_filter.node_filter(node_filter.EvalFn(lambda *_: False)) is None:
+        pytest.skip(f"no C filter here: {node_filter.unavailable}")
+    generate_tokens(path, EVICTING, n=4)
+    assert seen and all(name.startswith(b"ffn_moe_") for name in seen)
+    moe_calls = len(seen)
+    seen.clear()
+    monkeypatch.setenv("BMOE_NODE_FILTER", "python")  # negative control: every node asked in Python
+    generate_tokens(path, EVICTING, n=4)
+    assert any(not name.startswith(b"ffn_moe_") for name in seen)
+    assert len(seen) > 2 * moe_calls
+
+
+def test_the_c_and_python_filters_give_the_resident_tokens(tiny: TinyModels, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tiny.path(SPEC)
+    resident = tiny.resident_tokens(path)
+    assert generate_tokens(path, EVICTING) == resident
+    monkeypatch.setenv("BMOE_NODE_FILTER", "python")
+    assert generate_tokens(path, EVICTING) == resident
+
+
+def test_without_a_compiler_the_python_filter_is_installed(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
+    monkeypatch.setattr(node_filter, "_loaded", None)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert node_filter.node_filter(node_filter.EvalFn(lambda *_: False)) is None
+    assert "could not be built" in (node_filter.unavailable or "")
