@@ -97,7 +97,7 @@ def measure(directory: Path, slice_bytes: int, lanes: int, reads: int = 256) -> 
 
 def measure_model(layout: ModelLayout, lanes: int, reads: int = 256) -> ProbeResult:
     """Random direct reads of the model's own expert slices (one projection of one expert each,
-    as the engine reads them), distinct slices drawn across every MoE layer.
+    as the engine reads them), distinct slices drawn at random across every MoE layer.
 
     What a benchmark's read figures are compared with: a scratch file just written can be served
     from a cache below the guest (a virtual disk's host), which made one probe read 4x faster
@@ -107,7 +107,8 @@ def measure_model(layout: ModelLayout, lanes: int, reads: int = 256) -> ProbeRes
     slices = [(e.span.shard, e.file_offset(x), e.stride) for e in layout.experts.values() for x in range(e.n_expert)]
     if not slices:
         raise ValueError("the model has no expert slices to probe")
-    jobs = random.Random(0).sample(slices, min(reads, len(slices)))
+    # Fresh slices each probe: ones read by an earlier probe (or run) could come from a host cache.
+    jobs = random.SystemRandom().sample(slices, min(reads, len(slices)))
     reader = ShardReader(layout.shards, direct=True)
     try:
         total, elapsed = _timed_reads(reader, jobs, lanes)
