@@ -261,8 +261,7 @@ PROMPTS = [PROMPT, "A second prompt routes elsewhere.", "Tokens, layers, experts
     RunConfig(mode="stream", n_ctx=256, cache_bytes=2 * MiB, route_ahead=1),
     RunConfig(mode="stream", n_ctx=256, cache_bytes=2 * MiB, route_ahead=2),
     RunConfig(mode="stream", n_ctx=256, cache_bytes=2 * MiB, predict_prefetch=True),
-    RunConfig(mode="stream", n_ctx=256, cache_bytes=2 * MiB, prefill_ahead=True),
-], ids=["route-ahead-1", "route-ahead-2", "predict-prefetch", "prefill-ahead"])
+], ids=["route-ahead-1", "route-ahead-2", "predict-prefetch"])
 def test_every_expert_the_fast_path_may_use_holds_the_files_bytes(tiny, config: RunConfig) -> None:
     """Issue 16's NaN: a read-ahead handled before the plan of a layer the gate had served alone
     evicted that layer's experts; the late plan admitted them again with no read, and a later
@@ -299,33 +298,3 @@ def test_the_check_sees_a_resident_expert_with_wrong_bytes(tiny) -> None:
 
     found, flipped = asyncio.run(go())
     assert found == [flipped]
-
-
-def test_prefill_ahead_reads_the_next_layer_and_keeps_the_resident_tokens(tiny) -> None:
-    """Prefill read-ahead (a prompt that routes to most of a layer reads the next layer's experts
-    while this one computes) changes when bytes land, never what is computed: the same tokens as
-    resident over several prompts with a cache that evicts, every resident expert the file's bytes,
-    and the read-ahead did happen (a negative control for the gate: it is not vacuous)."""
-    path = tiny.path(SPEC_READ_AHEAD)
-
-    async def go(config: RunConfig) -> tuple[list[list[int]], int, list]:
-        with Session.open(path, config) as session:
-            tokens, found = [], []
-            for prompt in PROMPTS:
-                tokens.append((await session.generate(prompt, 12, stop_at_end=False)).tokens)
-                if config.mode == "stream":
-                    found += resident_mismatches(session)
-            speculated = session._streaming.cache.speculated if config.mode == "stream" else 0  # noqa: SLF001
-            return tokens, speculated, found
-
-    resident, _, _ = asyncio.run(go(RunConfig(mode="resident", n_ctx=256)))
-    ahead, speculated, found = asyncio.run(go(RunConfig(mode="stream", n_ctx=256, cache_bytes=2 * MiB,
-                                                        prefill_ahead=True)))
-    plain, plain_speculated, _ = asyncio.run(go(RunConfig(mode="stream", n_ctx=256, cache_bytes=2 * MiB)))
-    assert speculated > 0 and plain_speculated == 0
-    assert ahead == resident and plain == resident and found == []
-
-
-def test_prefill_ahead_needs_a_streamed_cache() -> None:
-    with pytest.raises(ConfigError, match="prefill_ahead"):
-        RunConfig(mode="stream", cache_bytes=0, prefill_ahead=True).validate()

@@ -103,9 +103,6 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
                    help="read the previous token's experts of the next K layers ahead (needs a cache)")
     p.add_argument("--predict-prefetch", action="store_true",
                    help="predict the next layer's experts with its router and read them ahead (needs a cache)")
-    p.add_argument("--prefill-ahead", action="store_true",
-                   help="while a prompt's layer computes, read the next layer's experts when the prompt "
-                        "routes to most of each layer (lossless; needs a cache)")
     p.add_argument("-t", "--threads", type=_threads, default=None, help="compute threads")
     p.add_argument("-c", "--ctx", type=_ctx, default=2048, help="context length")
 
@@ -216,7 +213,6 @@ def _config(args: argparse.Namespace) -> RunConfig:
         overlap=args.overlap,
         prefetch_layers=args.prefetch,
         predict_prefetch=args.predict_prefetch,
-        prefill_ahead=args.prefill_ahead,
         **_lossy_config(args),
     ).validate()
 

@@ -62,9 +62,6 @@ class RunConfig:
     prefetch_layers: int = 0
     # Predictive read-ahead: the next layer's router applied to this layer's router input.
     predict_prefetch: bool = False
-    # Prefill read-ahead: while a prompt's layer computes, read the next MoE layer's experts when
-    # the prompt routes to most of each layer (reads overlap the prompt's compute; needs a cache).
-    prefill_ahead: bool = False
     # Write every routing decision to this file (route_trace v2; streamed runs only).
     route_trace: str | None = None
     # How a prompt is run (bmoe.engine.prefill): one batch, micro-batches of 8, token by token, or
@@ -124,8 +121,6 @@ class RunConfig:
         if self.prewarm and (self.mode != "stream" or self.cache_bytes == 0 or not self.cache_profile):
             raise ConfigError("prewarm reads a cache profile's experts into the cache: it needs streaming, a cache "
                               "budget and a cache profile (--cache-profile)")
-        if self.prefill_ahead and (self.mode != "stream" or self.cache_bytes == 0):
-            raise ConfigError("prefill_ahead reads ahead into the expert cache: stream with a cache budget")
         if self.predict_prefetch and (self.mode != "stream" or self.cache_bytes == 0):
             raise ConfigError("predict_prefetch reads ahead into the expert cache: stream with a cache budget")
         if self.overlap and self.mode != "stream":

@@ -191,7 +191,6 @@ class Session:
                     recorder = RouteRecorder(config.route_trace, layout, _run_line(config, parts))
                 modes = ComputeModes(
                     overlap=overlap, predictor=predictor, lookahead=config.prefetch_layers,
-                    prefill_ahead=config.prefill_ahead,
                     tap=recorder.tap if recorder is not None else None,
                     weights_tap=recorder.tap_weights if recorder is not None else None,
                 )

@@ -84,15 +84,13 @@ class ComputeModes:
     a replay's modelled per-expert overlap is a gate of its own, ``bmoe.engine.per_expert``).
     ``tap`` / ``weights_tap``: route-trace observers. ``predictor``: predictive read-ahead from
     the next layer's router. ``lookahead``: MoE layers ahead whose previous routing is read ahead
-    while a layer is served (0: off). ``prefill_ahead``: while a prompt's layer is served, read the
-    next MoE layer's experts when the prompt routes to most of a layer."""
+    while a layer is served (0: off)."""
 
     overlap: OverlapPlan | None = None
     tap: Tap | None = None
     weights_tap: WeightsTap | None = None
     predictor: RoutePredictor | None = None
     lookahead: int = 0
-    prefill_ahead: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or self.lookahead < 0:

@@ -18,7 +18,6 @@ from bmoe.pipeline.cache import ExpertCache, Plan
 from bmoe.pipeline.channel import Channel
 from bmoe.pipeline.events import (
     PHASE_DECODE,
-    PHASE_PREFILL,
     ExpertKey,
     GateItem,
     ReadAhead,
@@ -55,8 +54,6 @@ class PrefetchStage:
         # Temporal read-ahead: while a layer is served, read what the previous token routed at
         # the next ``lookahead`` MoE layers into the cache, on idle lanes, within the budget.
         self._lookahead = modes.lookahead
-        # Prefill read-ahead: while a prompt's layer is served, the next MoE layer's experts.
-        self._prefill_ahead = modes.prefill_ahead
         self._last: dict[int, tuple[int, ...]] = {}  # layer -> experts it routed last time
         self._moe_layers: list[int] = []
         self._predictor = modes.predictor  # scored here against the real routing
@@ -199,8 +196,6 @@ class PrefetchStage:
                     self._speculate([event.ahead], {(event.layer, e) for e in event.experts}, reads)
                 if self._lookahead and event.phase == PHASE_DECODE:
                     self._read_ahead(event, reads)
-                if self._prefill_ahead and event.phase == PHASE_PREFILL:
-                    self._read_ahead_prefill(event, reads)
                 self._planned(event, plan, by_proj)  # only now: read-ahead may have evicted
         finally:
             self._reads = None
@@ -213,32 +208,6 @@ class PrefetchStage:
         i = self._moe_layers.index(event.layer)
         ahead = [(il, self._last.get(il, ())) for il in self._moe_layers[i + 1 : i + 1 + self._lookahead]]
         self._speculate(ahead, {(event.layer, e) for e in event.experts}, reads)
-
-    # A prompt that routes to this share of a layer's experts reads the next layer's experts ahead.
-    # Reading ahead a whole layer wastes the share its prompt will not route to; with reads about
-    # twice the compute (a cold 50-token prompt at full depth), hiding a layer's reads behind the
-    # current layer's compute pays for that waste only while it is under a third of what is read.
-    PREFILL_AHEAD_SHARE = 0.75
-
-    def _read_ahead_prefill(self, event: RoutingEvent, reads: Channel[ReadItem]) -> None:
-        """While a prompt's layer computes, read the next MoE layer's experts (what it routed
-        last first, then the rest), when this layer's union says the prompt routes to most of a
-        layer: its reads then overlap this layer's compute instead of following it."""
-        n_expert = self._residency.maps[event.layer].shape[0]
-        if len(event.experts) < self.PREFILL_AHEAD_SHARE * n_expert:
-            return
-        if not self._moe_layers:
-            self._moe_layers = sorted(self._residency.entry_bytes())
-        i = self._moe_layers.index(event.layer)
-        if i + 1 >= len(self._moe_layers):
-            return
-        nxt = self._moe_layers[i + 1]
-        resident = self._residency.maps[nxt]
-        last = self._last.get(nxt, ())
-        seen = set(last)
-        order = [e for e in last if not resident[e]]
-        order += [e for e in range(resident.shape[0]) if e not in seen and not resident[e]]
-        self._speculate([(nxt, tuple(order))], {(event.layer, e) for e in event.experts}, reads)
 
     def _speculate(self, ahead: list[tuple[int, tuple[int, ...]]], protect: set, reads: Channel[ReadItem]) -> None:
         """Admit and read the candidates the budget has room for, never evicting ``protect``
