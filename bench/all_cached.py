@@ -4,7 +4,8 @@ has to be read (issue 13's P1 at full depth, where ``bmoe bench --ram-limit`` ca
 Rounds alternate which runs first. Each run is a fresh session: a warm-up generation (which fills
 a cache of ``--cache-mb`` with every expert the prompt and its tokens route to), then the same
 generation again, measured: decode tok/s after the first token, hit %, and the cache's planning
-time per token (``cache_s``). Prints one JSON line per run and the median ratio; nothing asserted.
+time per token (``cache_s``). Prints one JSON line per run, the median ratio and each round's
+ratio to its own resident run (their spread is the noise); nothing asserted.
 
     python bench/all_cached.py MODEL [-n 48] [--rounds 4] [--cache-mb 16000] [--policies default,lru]
 """
@@ -46,19 +47,22 @@ def main() -> None:
     for p in args.policies.split(","):
         configs[f"all_cached_{p}"] = RunConfig(mode="stream", n_ctx=512, cache_bytes=int(args.cache_mb * MiB),
                                                force_cache=True, cache_policy=p)
-    tok: dict[str, list[float]] = {name: [] for name in configs}
+    tok: dict[str, list[float | None]] = {name: [] for name in configs}
     for r in range(args.rounds):
         names = list(configs) if r % 2 == 0 else list(reversed(configs))
         for name in names:
             d = asyncio.run(measure(args.model, configs[name], args.tokens))
             print(json.dumps({"run": name, "round": r, **d}), flush=True)
-            if d["tok_per_s"]:
-                tok[name].append(d["tok_per_s"])
-    base = statistics.median(tok["resident"])
+            tok[name].append(d["tok_per_s"] or None)
+    base = statistics.median(v for v in tok["resident"] if v) if any(tok["resident"]) else None
     for name, values in tok.items():
-        if name != "resident" and values:
-            print(f"{name}: median {statistics.median(values):.2f} tok/s = "
-                  f"{statistics.median(values) / base:.2f}x resident ({base:.2f})")
+        measured = [v for v in values if v]
+        if name == "resident" or not measured or base is None:
+            continue
+        # Each round's ratio to that round's resident run: the spread says how far to trust the median.
+        pairs = [f"{v / b:.2f}" if v and b else "null" for v, b in zip(values, tok["resident"])]
+        print(f"{name}: median {statistics.median(measured):.2f} tok/s = "
+              f"{statistics.median(measured) / base:.2f}x resident ({base:.2f}); per round {' / '.join(pairs)}")
 
 
 if __name__ == "__main__":
