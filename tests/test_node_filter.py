@@ -3,14 +3,17 @@ the ones the Python filter (and a resident run) give."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from bmoe.engine import node_filter
 from bmoe.engine.callback import EvalCallback
 from bmoe.engine.config import MiB, RunConfig
+from bmoe.engine.session import Session
 from bmoe.io.ggml import GgmlTensor
 from bmoe.synth.tiny import TinySpec
-from tests.helpers import TinyModels, generate_tokens
+from tests.helpers import PROMPT, TinyModels, generate_tokens
 
 SPEC = TinySpec(arch="qwen3moe", n_layer=4, n_expert=8, n_expert_used=2)
 EVICTING = RunConfig(mode="stream", n_ctx=256, cache_bytes=1 * MiB)
@@ -58,3 +61,17 @@ def test_without_a_compiler_the_python_filter_is_installed(monkeypatch: pytest.M
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     assert node_filter.node_filter(node_filter.EvalFn(lambda *_: False)) is None
     assert "could not be built" in (node_filter.unavailable or "")
+
+
+def test_the_stats_say_which_filter_ran(tiny: TinyModels, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tiny.path(SPEC)
+
+    async def kind(config: RunConfig) -> str | None:
+        with Session.open(path, config) as s:
+            return (await s.generate(PROMPT, 2, stop_at_end=False)).stats.node_filter
+
+    assert asyncio.run(kind(RunConfig(mode="resident", n_ctx=256))) is None  # no callback at all
+    built = node_filter.node_filter(node_filter.EvalFn(lambda *_: False)) is not None
+    assert asyncio.run(kind(EVICTING)) == ("c" if built else f"python: {node_filter.unavailable}")
+    monkeypatch.setenv("BMOE_NODE_FILTER", "python")
+    assert asyncio.run(kind(EVICTING)) == "python: BMOE_NODE_FILTER=python"

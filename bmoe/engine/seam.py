@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from bmoe.engine import node_filter as node_filter_module
 from bmoe.engine.callback import EvalCallback
 from bmoe.engine.node_filter import NodeFilter, node_filter
 from bmoe.errors import DecodeAbortedError, LlamaCallError
@@ -126,13 +127,18 @@ class LlamaModel:
         cparams.n_batch = cparams.n_ubatch = min(512, n_ctx)
         cparams.n_threads = cparams.n_threads_batch = n_threads
         self._node_filter: NodeFilter | None = None
-        if install:  # MoE nodes only reach Python when the C filter can be built here
+        # Who answers llama.cpp's question about each graph node (stats report it): "c" (only MoE
+        # nodes reach Python), "python: <why not c>", or None (no callback installed).
+        self.filter_kind: str | None = None
+        if install:
             self._node_filter = node_filter(callback.c_eval)
             if self._node_filter is not None:
                 cparams.cb_eval = self._node_filter.fn
                 cparams.cb_eval_user_data = self._node_filter.data
+                self.filter_kind = "c"
             else:
                 cparams.cb_eval = callback.c_eval
+                self.filter_kind = f"python: {node_filter_module.unavailable}"
         cparams.no_perf = True
         self.ctx = lib.llama_init_from_model(self.model, cparams)
         if not self.ctx:

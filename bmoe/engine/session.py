@@ -483,7 +483,7 @@ class Session:
         return GenerationStats(
             self.config.mode, self.io_mode, prompt_tokens=prompt_tokens,
             budget_bytes=self.budget_bytes, open_mode=self.open_mode,
-            open_bytes_read=self.open_bytes_read,
+            open_bytes_read=self.open_bytes_read, node_filter=self._model.filter_kind,
         )
 
     def _finish_stats(self, stats: GenerationStats, start: Counters | None) -> None:

@@ -63,6 +63,8 @@ class GenerationStats:
     # layer early (decode steps of this session so far).
     predict_accuracy_pct: dict[int, float] | None = None
     open_mode: str | None = None
+    # Who filters graph nodes for the eval callback: "c", "python: <why not c>", None (no callback).
+    node_filter: str | None = None
     open_bytes_read: int | None = None  # /proc/self/io read_bytes across Session.open
 
     def add_counters(self, c: Counters) -> None:
