@@ -57,6 +57,7 @@ def test_the_c_and_python_filters_give_the_resident_tokens(tiny: TinyModels, mon
 
 def test_without_a_compiler_the_python_filter_is_installed(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
     monkeypatch.setattr(node_filter, "_loaded", None)
+    monkeypatch.setattr(node_filter, "_failed", None)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     assert node_filter.node_filter(node_filter.EvalFn(lambda *_: False)) is None
@@ -75,3 +76,15 @@ def test_the_stats_say_which_filter_ran(tiny: TinyModels, monkeypatch: pytest.Mo
     assert asyncio.run(kind(EVICTING)) == ("c" if built else f"python: {node_filter.unavailable}")
     monkeypatch.setenv("BMOE_NODE_FILTER", "python")
     assert asyncio.run(kind(EVICTING)) == "python: BMOE_NODE_FILTER=python"
+
+
+def test_a_failed_build_is_not_tried_again_at_every_open(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
+    monkeypatch.setattr(node_filter, "_loaded", None)
+    monkeypatch.setattr(node_filter, "_failed", None)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a compiler that fails
+    assert node_filter.node_filter(node_filter.EvalFn(lambda *_: False)) is None
+    builds = []
+    monkeypatch.setattr(node_filter, "_build", lambda: builds.append(1))
+    assert node_filter.node_filter(node_filter.EvalFn(lambda *_: False)) is None
+    assert builds == [] and "could not be built" in (node_filter.unavailable or "")

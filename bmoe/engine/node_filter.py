@@ -68,21 +68,25 @@ class NodeFilter:
 
 
 _loaded: ctypes.CDLL | None = None
+_failed: str | None = None  # a build that failed in this process is not tried again at every open
 unavailable: str | None = None  # why the C filter is not in use, once that is known
 
 
 def node_filter(inner: EvalFn) -> NodeFilter | None:
     """The C filter in front of ``inner``; None (and ``unavailable`` says why) when it cannot be
     built here, in which case ``inner`` must be installed as it is."""
-    global _loaded, unavailable
+    global _loaded, _failed, unavailable
     if os.environ.get("BMOE_NODE_FILTER", "c") == "python":
         unavailable = "BMOE_NODE_FILTER=python"
         return None
     if _loaded is None:
-        try:
-            _loaded = ctypes.CDLL(str(_build()))
-        except (OSError, subprocess.SubprocessError) as e:
-            unavailable = f"the C node filter could not be built: {e}"
+        if _failed is None:
+            try:
+                _loaded = ctypes.CDLL(str(_build()))
+            except (OSError, subprocess.SubprocessError) as e:
+                _failed = f"the C node filter could not be built: {e}"
+        if _loaded is None:
+            unavailable = _failed
             return None
     unavailable = None
     return NodeFilter(_loaded, inner)
@@ -106,6 +110,7 @@ def _build() -> Path:
         done = subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(out), str(src)],
                               capture_output=True, text=True, timeout=60)
         if done.returncode != 0:
-            raise OSError(f"{compiler} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+            last = done.stderr.strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
+            raise OSError(f"{compiler} failed: {last[0]}")
         os.replace(out, target)  # atomic: a concurrent build writes the same bytes
     return target

@@ -478,9 +478,8 @@ class AdaptiveReusePolicy(ExpectedReusePolicy):
         self._row_bytes = np.zeros(0)
         # Visits not yet applied to the model: (row, routed ids, weight of the use).
         self._pending: list[tuple[int, np.ndarray, float]] = []
-        # Rows whose keys are stale: row -> (clock, T, k, guard, routed ids) of its latest visit,
-        # and the entries admitted since with the guard they were admitted under.
-        self._stale: dict[int, tuple[int, float | None, float, bool, np.ndarray, list[tuple[int, bool]]]] = {}
+        # Rows whose keys are stale, with what their latest visit saw.
+        self._stale: dict[int, _StaleRow] = {}
         self._free, self._guarded = _Shadow(False), _Shadow(True)
         self._guard = False  # protect the recent entries now (the guarded shadow is ahead)
 
@@ -506,7 +505,7 @@ class AdaptiveReusePolicy(ExpectedReusePolicy):
         self._pending.append((row, ids, min(1.0, self._min_routed / ids.size) if ids.size else 0.0))
         self._note_use(layer, st, ids)
         k = float(self._min_routed if self._min_routed < (1 << 30) else max(ids.size, 1))
-        self._stale[row] = (self._pos, self.memory_steps, k, self._guard, ids, [])
+        self._stale[row] = _StaleRow(self._pos, self.memory_steps, k, self._guard, ids)
         self._recent[row] = False
         self._recent[row, ids] = True
         if self._budget is not None and ids.size:
@@ -518,7 +517,7 @@ class AdaptiveReusePolicy(ExpectedReusePolicy):
         row = self._admit(layer, e).row
         stale = self._stale.get(row)
         if stale is not None:  # keyed with its row, as of now
-            stale[5].append((e, self._guard))
+            stale.admitted.append((e, self._guard))
         else:
             self._order[row, e] = self._keys[row, e] - (_PROTECT if self._guard else 0.0)
 
@@ -539,7 +538,8 @@ class AdaptiveReusePolicy(ExpectedReusePolicy):
     def usage(self) -> dict[int, np.ndarray]:
         """Per layer, each expert's chance of being routed on a token, from the slowest rate (what
         a cache profile saves)."""
-        self.keys()
+        if self._pending:
+            self._apply_pending()
         return {layer: self._rates[self._layers[layer].row, -1].copy() for layer in self._row_layer}
 
     def seed(self, usage: Mapping[int, np.ndarray]) -> None:
@@ -621,22 +621,23 @@ class AdaptiveReusePolicy(ExpectedReusePolicy):
         eviction order (protecting what that visit routed while the guard was on)."""
         stale, self._stale = self._stale, {}
         groups: dict[tuple[float | None, float], list[int]] = {}
-        for row, (_, t, k, _, _, _) in stale.items():
-            groups.setdefault((t, k), []).append(row)
+        for row, visit in stale.items():
+            groups.setdefault((visit.memory, visit.k), []).append(row)
         for (t, k), rows in groups.items():
             idx = np.array(rows, dtype=np.intp)
-            clock = np.array([stale[r][0] for r in rows], dtype=float)
+            clock = np.array([stale[r].clock for r in rows], dtype=float)
             density = self._density(self._rates[idx], self._weights[idx], k, t)
             self._keys[idx] = clock[:, None] + self._cycle / density
-        for row, (_, _, _, guard, ids, admitted) in stale.items():
+        for row, visit in stale.items():
             resident = self._layers[self._row_layer[row]].resident
             order = self._order[row]
             keys = self._keys[row]
             order[:] = _ABSENT
             np.copyto(order, keys, where=resident)
-            if guard and ids.size:
+            ids = visit.ids
+            if visit.guard and ids.size:
                 order[ids[resident[ids]]] -= _PROTECT  # what the visit routed and found
-            for e, guarded in admitted:  # what it admitted since, as admitted() would have
+            for e, guarded in visit.admitted:  # what it admitted since, as admitted() would have
                 if resident[e]:
                     order[e] = keys[e] - (_PROTECT if guarded else 0.0)
 
@@ -663,6 +664,18 @@ class AdaptiveReusePolicy(ExpectedReusePolicy):
         life = held.sum(axis=2) + s[..., i] * -np.expm1(log_miss[..., i] * part) / p[..., i]
         used = 1.0 - s[..., i] * np.exp(log_miss[..., i] * part)
         return np.maximum(used / np.maximum(life, 1e-12), 1e-12)
+
+
+class _StaleRow:
+    """What a row's latest visit saw, for keying it later as it would have been keyed then: the
+    clock, the cache memory ``T``, ``k``, whether the guard was on and the routed ids; and the
+    entries admitted since, each with the guard it was admitted under."""
+
+    __slots__ = ("clock", "memory", "k", "guard", "ids", "admitted")
+
+    def __init__(self, clock: int, memory: float | None, k: float, guard: bool, ids: np.ndarray) -> None:
+        self.clock, self.memory, self.k, self.guard, self.ids = clock, memory, k, guard, ids
+        self.admitted: list[tuple[int, bool]] = []
 
 
 def _normalise(rates: np.ndarray) -> np.ndarray:
