@@ -88,3 +88,35 @@ def test_a_failed_build_is_not_tried_again_at_every_open(monkeypatch: pytest.Mon
     monkeypatch.setattr(node_filter, "_build", lambda: builds.append(1))
     assert node_filter.node_filter(node_filter.EvalFn(lambda *_: False)) is None
     assert builds == [] and "could not be built" in (node_filter.unavailable or "")
+
+
+
+@pytest.fixture
+def asked(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bytes, bool]]:
+    """(name, ask) of every call that reaches the Python callback once it streams (the warm-up
+    decodes at open, before streaming starts, see every MoE node by design)."""
+    calls: list[tuple[bytes, bool]] = []
+    plain = EvalCallback._eval
+
+    def counting(self, node, ask, data):  # noqa: ANN001, ANN202
+        if self.streaming:
+            calls.append((GgmlTensor.from_address(node).name, bool(ask)))
+        return plain(self, node, ask, data)
+
+    monkeypatch.setattr(EvalCallback, "_eval", counting)
+    return calls
+
+
+def test_a_plain_stream_calls_python_once_a_layer(tiny: TinyModels, asked: list[tuple[bytes, bool]]) -> None:
+    path = tiny.path(SPEC)
+    if node_filter.node_filter(node_filter.EvalFn(lambda *_: False)) is None:
+        pytest.skip(f"no C filter here: {node_filter.unavailable}")
+    resident = tiny.resident_tokens(path)
+    assert generate_tokens(path, EVICTING) == resident
+    assert asked and all(n.startswith(b"ffn_moe_topk-") and not a for n, a in asked)
+    assert {int(n[len(b"ffn_moe_topk-"):]) for n, _ in asked} == set(range(SPEC.n_layer))
+    asked.clear()  # negative control: overlap waits at the matmuls, so every MoE node reaches Python
+    overlap = RunConfig(mode="stream", n_ctx=256, cache_bytes=1 * MiB, overlap=True)
+    assert generate_tokens(path, overlap) == resident
+    assert any(a for n, a in asked)
+    assert any(not n.startswith(b"ffn_moe_topk-") for n, _ in asked)

@@ -1,8 +1,9 @@
 """The eval callback: llama.cpp asks it about every graph node, so it is the hottest code in bmoe.
 
 Where a C compiler is available, a filter in C stands in front of it (``bmoe.engine.node_filter``):
-every other node is answered there and only ``ffn_moe_*`` nodes reach this Python code. Without
-it, the name test below answers every node, in Python.
+every other node is answered there and only ``ffn_moe_*`` nodes reach this Python code; in a
+plain streamed run (no mode watching other MoE nodes) only each layer's routing node does, once it
+is computed. Without it, the name test below answers every node, in Python.
 
 Per node it reads the first 8 bytes of the name as one integer and returns False unless they spell
 ``ffn_moe_``; for those, 8 more bytes decide whether the node is ``ffn_moe_topk-<il>``, the only
@@ -110,6 +111,9 @@ class EvalCallback:
         self.wait_after: dict[bytes, tuple[int, int]] | None = None
         # Predictive read-ahead only: predicts the next layer's experts from a router input.
         self.predictor: RoutePredictor | None = None
+        # Set by the model when a C node filter stands in front: lets ``stream`` hand it the one
+        # name this callback needs, so that the other MoE nodes never reach Python.
+        self.narrow: Callable[[bytes], None] | None = None
 
     def stream(self, gate: RoutingGate) -> None:
         """Start streaming through ``gate``, in the modes it was made with (once per callback)."""
@@ -121,6 +125,13 @@ class EvalCallback:
         self.wait_after = dict(modes.overlap.wait_after) if modes.overlap is not None else None
         self.predictor = modes.predictor
         self.streaming = True
+        if self.narrow is not None and self._topk_only():
+            self.narrow(b"topk-")
+
+    def _topk_only(self) -> bool:
+        """Whether the routing node is the only one this callback serves (then the C filter may
+        answer every other node, and the routing node's ask, itself)."""
+        return self.weights_tap is None and self.wait_after is None and self.predictor is None
 
     @property
     def error(self) -> BaseException | None:
@@ -220,6 +231,9 @@ class LeverCallback(EvalCallback):
         if ask:
             return mine or theirs
         return theirs or (mine and not self.gate.aborting)
+
+    def _topk_only(self) -> bool:
+        return False  # a lever rewrites other MoE nodes
 
     def _visit(self, node: int, ask: bool) -> bool:
         raise NotImplementedError

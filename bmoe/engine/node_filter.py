@@ -7,6 +7,13 @@ ctypes trampoline, the GIL and an 8-byte read: measured at full depth, the filte
 name's first 8 bytes, and hands the MoE nodes to the Python callback unchanged, so the callback
 keeps its logic and runs about a fifth as often.
 
+A plain streamed run needs one MoE node a layer, the routing (``ffn_moe_topk-<il>``); the callback
+then ``narrow``s the filter to names whose next bytes match, and the filter answers the question
+llama.cpp asks before computing that node ("do you want its values?": yes) in C as well: Python
+runs once a layer, when the routed ids are there (48 calls a token at 48 layers, about 600 before).
+Modes that watch other MoE nodes (overlap's wait points, read-ahead's router input, route traces'
+weights, the lossy levers) keep every ``ffn_moe_*`` node.
+
 It is compiled on first use with the system C compiler (``$CC``, else ``cc``) into bmoe's cache
 directory, keyed by a hash of its source and the name offset, and loaded with ctypes: no build
 step, no fork of llama.cpp. Without a compiler (or with ``BMOE_NODE_FILTER=python``) the Python
@@ -36,14 +43,27 @@ typedef bool (*bmoe_eval_fn)(void * node, bool ask, void * data);
 struct bmoe_node_filter {
     bmoe_eval_fn inner;  /* the Python callback, for ffn_moe_* nodes only */
     uint64_t prefix;     /* the first 8 bytes of the names it wants, read as one integer */
+    uint64_t tail_mask;  /* 0: every name with the prefix; else the next 8 bytes, masked, */
+    uint64_t tail;       /* must equal this, and the node's ask is answered "yes" here */
 };
 
 bool bmoe_node_filter(void * node, bool ask, void * data) {
     const struct bmoe_node_filter * f = (const struct bmoe_node_filter *) data;
+    const char * name = (const char *) node + BMOE_NAME_OFFSET;
     uint64_t head;
-    memcpy(&head, (const char *) node + BMOE_NAME_OFFSET, sizeof head);
+    memcpy(&head, name, sizeof head);
     if (head != f->prefix) {
         return false;
+    }
+    if (f->tail_mask) {
+        uint64_t tail;
+        memcpy(&tail, name + sizeof head, sizeof tail);
+        if ((tail & f->tail_mask) != f->tail) {
+            return false;
+        }
+        if (ask) {
+            return true;
+        }
     }
     return f->inner(node, ask, NULL);
 }
@@ -54,7 +74,8 @@ EvalFn = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.
 
 
 class _FilterData(ctypes.Structure):
-    _fields_ = [("inner", EvalFn), ("prefix", ctypes.c_uint64)]
+    _fields_ = [("inner", EvalFn), ("prefix", ctypes.c_uint64), ("tail_mask", ctypes.c_uint64),
+                ("tail", ctypes.c_uint64)]
 
 
 class NodeFilter:
@@ -62,9 +83,17 @@ class NodeFilter:
 
     def __init__(self, lib: ctypes.CDLL, inner: EvalFn) -> None:
         self._inner = inner  # the ctypes object must outlive every call through the pointer
-        self._data = _FilterData(inner, PREFIX)
+        self._data = _FilterData(inner, PREFIX, 0, 0)
         self.fn = ctypes.cast(lib.bmoe_node_filter, EvalFn)
         self.data = ctypes.cast(ctypes.pointer(self._data), ctypes.c_void_p)
+
+    def narrow(self, tail: bytes) -> None:
+        """From now on only ``ffn_moe_<tail>...`` nodes reach Python, and only once computed (the
+        filter wants them all). Call it while no decode runs: the compute thread reads the fields."""
+        if not 0 < len(tail) <= 8:
+            raise ValueError(f"a name tail of 1 to 8 bytes, not {tail!r}")
+        self._data.tail = int.from_bytes(tail, "little")
+        self._data.tail_mask = (1 << (8 * len(tail))) - 1
 
 
 _loaded: ctypes.CDLL | None = None
