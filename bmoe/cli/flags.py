@@ -94,8 +94,9 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
                    help="anon: copy dense weights into anonymous memory (safe from page-cache churn)")
     p.add_argument("--open-mode", choices=("auto", "user", "reserved", "mmap", "mmap-drop"), default="auto",
                    help="how a streamed model is opened (auto: the cheapest that works here)")
-    p.add_argument("--prefill", choices=("auto", "batch", "token", "micro"), default="auto",
-                   help="how a prompt runs: one batch, micro-batches, token by token, or auto (cost model)")
+    p.add_argument("--prefill", choices=("auto", "batch", "token", "micro", "expert"), default="auto",
+                   help="how a prompt runs: one batch, micro-batches, token by token, expert-major (one batch "
+                        "whose experts are read and computed group by group), or auto (cost model)")
     p.add_argument("--route-trace", default=None, help="write every routing decision to this file")
     p.add_argument("--overlap", action="store_true",
                    help="read later projections while earlier expert matmuls compute (lossless)")

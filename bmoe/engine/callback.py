@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from bmoe.engine.expert_major import ExpertMajor, Shapes
 from bmoe.errors import BmoeError, DecodeAbortedError, as_bmoe_error
 from bmoe.io.ggml import NAME_OFFSET, SRC_OFFSET, GgmlTensor
 from bmoe.pipeline.boundary import RoutePredictor, WeightsTap
@@ -46,16 +47,25 @@ _LOGITS = int.from_bytes(b"logits-", "little")
 _MASK7 = (1 << 56) - 1
 _LOGITS_NAME_LEN = len("ffn_moe_logits-")
 _WEIGHTS_NAME_LEN = len("ffn_moe_weights-")
+_DOWN = int.from_bytes(b"down", "little")
+_MASK4 = (1 << 32) - 1
 
 
 class Capture:
     """Warm-up mode: find the expert weight tensors as the src[0] of the MoE matmul nodes."""
 
-    def __init__(self, is_expert_name: Callable[[bytes], bool]) -> None:
+    def __init__(self, is_expert_name: Callable[[bytes], bool], also: Shapes | None = None) -> None:
         self._is_expert_name = is_expert_name
         self.tensors: dict[bytes, int] = {}
+        self._also = also  # another warm-up visitor shown the same nodes
+
+    def restore(self) -> None:
+        if self._also is not None:
+            self._also.restore()
 
     def visit(self, node: int) -> None:
+        if self._also is not None:
+            self._also.visit(node)
         src0 = _ptr(node + SRC_OFFSET).value
         if src0:
             name = GgmlTensor.from_address(src0).name
@@ -103,7 +113,7 @@ class EvalCallback:
         )
         self.gate = gate
         self.streaming = False
-        self.capture: Capture | Consumption | None = None  # warm-up visitors
+        self.capture: Capture | Consumption | Shapes | None = None  # warm-up visitors
         # Copied out of the modes by ``stream``: the node function reads plain attributes.
         # Route traces only: the routed experts' router probabilities, per layer (tokens x k).
         self.weights_tap: WeightsTap | None = None
@@ -113,7 +123,10 @@ class EvalCallback:
         self.predictor: RoutePredictor | None = None
         # Set by the model when a C node filter stands in front: lets ``stream`` hand it the one
         # name this callback needs, so that the other MoE nodes never reach Python.
-        self.narrow: Callable[[bytes], None] | None = None
+        self.narrow: Callable[[bytes | None], None] | None = None
+        # Expert-major prefill (set by the session when the model and the run allow it).
+        self.expert_major: ExpertMajor | None = None
+        self._em_active = False  # this decode call runs expert-major
 
     def stream(self, gate: RoutingGate) -> None:
         """Start streaming through ``gate``, in the modes it was made with (once per callback)."""
@@ -125,8 +138,27 @@ class EvalCallback:
         self.wait_after = dict(modes.overlap.wait_after) if modes.overlap is not None else None
         self.predictor = modes.predictor
         self.streaming = True
+        self._narrow()
+
+    def _narrow(self) -> None:
         if self.narrow is not None and self._topk_only():
-            self.narrow(b"topk-")
+            # Expert-major calls need the output node of each layer too: every MoE node, then.
+            self.narrow(None if self._em_active else b"topk-")
+
+    def before_decode(self, n_tokens: int) -> None:
+        """Called before each ``llama_decode`` (no decode runs): whether this call of
+        ``n_tokens`` runs expert-major, and so which nodes the C filter lets through."""
+        em = self.expert_major
+        active = em is not None and self.streaming and em.begin(n_tokens)
+        if active != self._em_active:
+            self._em_active = active
+            self._narrow()
+
+    def after_decode(self) -> None:
+        """Called after each ``llama_decode``: expert-major puts every muted op back, and raises
+        if a layer it deferred was never served (that graph computed on bytes never read)."""
+        if self.expert_major is not None and self._em_active:
+            self.expert_major.end()
 
     def _topk_only(self) -> bool:
         """Whether the routing node is the only one this callback serves (then the C filter may
@@ -150,6 +182,8 @@ class EvalCallback:
                 return False
             tail = _u64(node + NAME_OFFSET + 8).value
             if (tail & _MASK5) != _TOPK:
+                if self._em_active and (tail & _MASK4) == _DOWN:
+                    return self.expert_major.on_output(node, ask)  # type: ignore[union-attr]
                 if tail == _WEIGHTS and self.weights_tap is not None:
                     return self._on_weights(node, ask)
                 if (tail & _MASK7) == _LOGITS and self.predictor is not None:
@@ -161,7 +195,10 @@ class EvalCallback:
                 return True
             if self.gate.aborting:
                 return False
-            self.gate.route(*_routed_ids(node))
+            layer, ids = _routed_ids(node)
+            if self._em_active and self.expert_major.on_topk(layer, ids):  # type: ignore[union-attr]
+                return True  # served at the layer's output node, group by group
+            self.gate.route(layer, ids)
             return True
         except BaseException as exc:  # noqa: BLE001 - ctypes would swallow it; record and abort
             self._record(exc)

@@ -19,7 +19,7 @@ from bmoe.pipeline.policies import POLICIES
 Mode = Literal["stream", "resident"]
 OpenMode = Literal["auto", "user", "reserved", "mmap", "mmap-drop"]
 DensePolicy = Literal["mmap", "anon"]
-Prefill = Literal["auto", "batch", "token", "micro"]
+Prefill = Literal["auto", "batch", "token", "micro", "expert"]
 MODES: tuple[str, ...] = get_args(Mode)
 OPEN_MODES: tuple[str, ...] = get_args(OpenMode)
 DENSE_POLICIES: tuple[str, ...] = get_args(DensePolicy)
@@ -64,8 +64,9 @@ class RunConfig:
     predict_prefetch: bool = False
     # Write every routing decision to this file (route_trace v2; streamed runs only).
     route_trace: str | None = None
-    # How a prompt is run (bmoe.engine.prefill): one batch, micro-batches of 8, token by token, or
-    # auto (a cost model over what the session measured: bytes to read vs compute).
+    # How a prompt is run (bmoe.engine.prefill): one batch, micro-batches of 8, token by token,
+    # expert-major (one batch whose experts are read and computed group by group; needs a cache),
+    # or auto (a cost model over what the session measured: bytes to read vs compute).
     prefill: Prefill = "auto"
     # Resident mode only: install the eval callback that filters nodes but streams nothing, to
     # measure what the callback itself costs.
@@ -112,6 +113,14 @@ class RunConfig:
             )
         if self.prefill not in PREFILLS:
             raise ConfigError(f"prefill must be one of {', '.join(PREFILLS)}, got {self.prefill!r}")
+        if self.prefill == "expert":
+            if self.mode != "stream" or self.cache_bytes == 0:
+                raise ConfigError("prefill 'expert' reads a prompt's experts group by group through the expert cache: "
+                                  "stream with a cache budget")
+            if self.overlap or self.predict_prefetch or self.route_trace is not None \
+                    or self.drop_cold_experts is not None or self.route_ahead is not None:
+                raise ConfigError("prefill 'expert' computes the expert nodes itself: not with overlap, "
+                                  "predict_prefetch, a route trace, drop_cold_experts or route_ahead")
         if self.route_trace is not None and self.mode != "stream":
             raise ConfigError("route traces are recorded by the streaming callback: use mode='stream'")
         if not 0 <= self.prefetch_layers <= 64:

@@ -87,9 +87,13 @@ class NodeFilter:
         self.fn = ctypes.cast(lib.bmoe_node_filter, EvalFn)
         self.data = ctypes.cast(ctypes.pointer(self._data), ctypes.c_void_p)
 
-    def narrow(self, tail: bytes) -> None:
+    def narrow(self, tail: bytes | None) -> None:
         """From now on only ``ffn_moe_<tail>...`` nodes reach Python, and only once computed (the
-        filter wants them all). Call it while no decode runs: the compute thread reads the fields."""
+        filter wants them all); None: every ``ffn_moe_*`` node again, asked and computed. Call it
+        while no decode runs: the compute thread reads the fields."""
+        if tail is None:
+            self._data.tail_mask = self._data.tail = 0
+            return
         if not 0 < len(tail) <= 8:
             raise ValueError(f"a name tail of 1 to 8 bytes, not {tail!r}")
         self._data.tail = int.from_bytes(tail, "little")

@@ -92,14 +92,23 @@ class PrefillPlanner:
         choice = choose(
             session.config.prefill, len(tokens), n_batch, _layers(session), self.rates(session), budget,
         )
+
         self.last_choice = choice
         return self._calls(session, tokens, choice.chunk)
 
     def _calls(self, session: Any, tokens: list[int], chunk: int) -> Iterator[list[int]]:
         before = session._streaming.counters() if session._streaming is not None else None
+        em = session._callback.expert_major
+        expert = self.last_choice is not None and self.last_choice.strategy == "expert"
         t0 = time.perf_counter()
-        for i in range(0, len(tokens), chunk):
-            yield tokens[i : i + chunk]
+        try:
+            if em is not None:
+                em.enabled = expert
+            for i in range(0, len(tokens), chunk):
+                yield tokens[i : i + chunk]
+        finally:
+            if em is not None:
+                em.enabled = False
         wall = time.perf_counter() - t0
         after = session._streaming.counters() if session._streaming is not None else None
         d = after - before if after is not None and before is not None else None

@@ -197,7 +197,11 @@ class LlamaModel:
         """Run one batch (blocking: call it on the compute thread). Logits only for the last token."""
         arr = (ctypes.c_int32 * len(tokens))(*tokens)
         batch = self._lib.llama_batch_get_one(arr, len(tokens))
-        rc = self._lib.llama_decode(self.ctx, batch)
+        self.callback.before_decode(len(tokens))
+        try:
+            rc = self._lib.llama_decode(self.ctx, batch)
+        finally:
+            self.callback.after_decode()
         if self.callback.error is not None:
             raise self.callback.error
         if rc == 2:

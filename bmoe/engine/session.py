@@ -13,7 +13,7 @@ import asyncio
 import codecs
 import re
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -22,6 +22,7 @@ import numpy as np
 
 from bmoe.engine.callback import Capture, Consumption, EvalCallback
 from bmoe.engine.config import RunConfig
+from bmoe.engine.expert_major import GROUP_EXPERTS, ExpertMajor, Shapes
 from bmoe.engine.isolate import check_first_open
 from bmoe.engine.loader import OpenedModel, capture_weights, open_model
 from bmoe.engine.lossy import load_overrides, lossy_callback
@@ -54,6 +55,7 @@ from bmoe.metrics.route_trace import RouteRecorder
 from bmoe.metrics.stats import Counters, GenerationStats
 from bmoe.metrics.tokens import ProcessSample, TokenMetrics, rss_bytes
 from bmoe.pipeline.boundary import ComputeModes, OverlapPlan
+from bmoe.pipeline.cache import ExpertCache
 from bmoe.pipeline.events import PHASE_DECODE, PHASE_PREFILL
 from bmoe.pipeline.gate import RoutingGate
 from bmoe.pipeline.hooks import Hooks
@@ -179,7 +181,12 @@ class Session:
         streamer = parts = dense = recorder = None
         try:
             if streaming:
-                tensors = opened.expert_tensors(layout) or _capture_experts(model, callback)
+                # Which layers expert-major can compute, seen by the capture's warm-up decode when
+                # there is one, else by a warm-up of its own (experts not yet bound: no pages).
+                shapes = Shapes() if _may_run_expert_major(callback, config) else None
+                tensors = opened.expert_tensors(layout) or _capture_experts(model, callback, shapes)
+                if shapes is not None and not shapes.looked:
+                    _warm_up(model, callback, shapes)
                 check_live_tensor(next(iter(tensors.values())))
                 if opened.open_mode == "mmap-drop":
                     release_file_pages(layout, mapping_spans(layout, tensors))
@@ -194,7 +201,15 @@ class Session:
                     tap=recorder.tap if recorder is not None else None,
                     weights_tap=recorder.tap_weights if recorder is not None else None,
                 )
+                expert_layers = frozenset(shapes.layers) if shapes is not None and parts.budget.bytes > 0 else frozenset()
                 streamer = Streamer(parts, hooks or Hooks(), config.io_threads, modes)
+                if config.prefill == "expert" and not expert_layers:
+                    raise ConfigError("prefill 'expert': no MoE layer of this model has an expert chain bmoe can "
+                                      "compute (gate and up matmuls, SwiGLU, down; no biases)")
+                if expert_layers:
+                    callback.expert_major = ExpertMajor(
+                        streamer.gate, expert_layers, config.threads, _group_size(layout, streamer.cache),
+                    )
                 callback.stream(streamer.gate)
             if config.dense_weights == "anon":
                 dense = _anon_dense(layout, opened, model, config)
@@ -676,20 +691,45 @@ def _anon_dense(layout: ModelLayout, opened: OpenedModel, model: LlamaModel, con
     return dense
 
 
-def _warm_up(model: LlamaModel, callback: EvalCallback, visitor: Capture | Consumption) -> None:
+def _warm_up(model: LlamaModel, callback: EvalCallback, visitor: Capture | Consumption | Shapes) -> None:
     """One-token decode with ``visitor`` shown every MoE node of the graph, then the KV cleared."""
     callback.capture = visitor
     try:
         model.decode(model.tokenize("a", add_special=False)[:1] or [0])
     finally:
         callback.capture = None
+        restore = getattr(visitor, "restore", None)  # ops a visitor set aside during the decode
+        if restore is not None:
+            restore()
         model.clear_memory()
 
 
-def _capture_experts(model: LlamaModel, callback: EvalCallback) -> dict[tuple[int, str], int]:
+def _may_run_expert_major(callback: EvalCallback, config: RunConfig) -> bool:
+    """Whether this run may compute a prompt's experts group by group: it needs a cache to read the
+    groups into, and no mode that watches or rewrites the expert nodes."""
+    return (
+        config.prefill in ("auto", "expert") and config.cache_bytes != 0 and type(callback) is EvalCallback
+        and not config.overlap and not config.predict_prefetch and config.route_trace is None
+    )
+
+
+def _group_size(layout: ModelLayout, cache: ExpertCache) -> Callable[[int], int]:
+    """Experts per expert-major group at a layer: at most a quarter of what the cache budget
+    holds of that layer's experts (the group computing and the group reading both fit beside
+    what the cache keeps), at least one, at most ``GROUP_EXPERTS``."""
+    entry = layout.entry_bytes()
+
+    def size(layer: int) -> int:
+        return max(1, min(GROUP_EXPERTS, cache.budget_bytes // (4 * max(1, entry[layer]))))
+
+    return size
+
+
+def _capture_experts(model: LlamaModel, callback: EvalCallback, shapes: Shapes | None = None) -> dict[tuple[int, str], int]:
     """One-token warm-up decode that records each expert tensor the graph uses, then clears the KV.
-    Needed after an mmap open, where no tensor callback told us the addresses."""
-    capture = Capture(lambda name: _EXPERT_TENSOR.match(name) is not None)
+    Needed after an mmap open, where no tensor callback told us the addresses. ``shapes``, if
+    given, looks at the same graph (one warm-up, not two)."""
+    capture = Capture(lambda name: _EXPERT_TENSOR.match(name) is not None, also=shapes)
     _warm_up(model, callback, capture)
     if not capture.tensors:
         raise SeamMismatchError("the warm-up decode saw no expert matmul: node names changed?")

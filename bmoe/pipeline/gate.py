@@ -148,6 +148,12 @@ class RoutingGate:
         if missing.size:
             self._ahead = (layer, tuple(missing.tolist()))
 
+    def read_ahead(self, layer: int, experts: tuple[int, ...], serving: frozenset[tuple[int, int]]) -> None:
+        """Have ``experts`` of ``layer`` read into the cache's room, sparing ``serving`` (what the
+        compute thread is about to use); returns once planned, before the bytes land. The
+        expert-major prefill reads its next group this way while it computes the current one."""
+        self._read_ahead(layer, experts, serving)
+
     def _read_ahead(self, layer: int, experts: tuple[int, ...], serving: frozenset[tuple[int, int]]) -> None:
         """Hand a prediction to the prefetch stage and wait until it is planned (not read): its
         evictions must happen while this thread computes nothing, and spare the layer served."""

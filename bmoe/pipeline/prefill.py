@@ -36,7 +36,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-STRATEGIES = ("auto", "batch", "token", "micro")
+STRATEGIES = ("auto", "batch", "token", "micro", "expert")
 MICRO_TOKENS = 8  # the forced "micro" strategy's chunk size
 CANDIDATES = (1, 2, 4, 8, 16, 32, 64)  # chunk sizes auto weighs against one batch
 
@@ -140,6 +140,8 @@ def choose(
         return Choice(1, "token", "forced")
     if strategy == "micro":
         return Choice(min(MICRO_TOKENS, n_batch), "micro", "forced")
+    if strategy == "expert":
+        return Choice(n_batch, "expert", "forced")
     if layers is None:
         return Choice(n_batch, "batch", "resident: nothing to read")
     full = min(n_tokens, n_batch)
