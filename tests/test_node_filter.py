@@ -120,3 +120,43 @@ def test_a_plain_stream_calls_python_once_a_layer(tiny: TinyModels, asked: list[
     assert generate_tokens(path, overlap) == resident
     assert any(a for n, a in asked)
     assert any(not n.startswith(b"ffn_moe_topk-") for n, _ in asked)
+
+
+
+def _run_stats(path, config: RunConfig, between=None):  # noqa: ANN001, ANN202
+    async def go():  # noqa: ANN202
+        with Session.open(path, config) as s:
+            first = await s.generate(PROMPT, 12, stop_at_end=False)
+            if between is not None:
+                between()
+            second = await s.generate(PROMPT, 12, stop_at_end=False)
+            st = second.stats
+            return first.tokens, second.tokens, (st.cache_hits, st.experts_read, st.cache_evictions)
+
+    return asyncio.run(go())
+
+
+def test_resident_routings_are_served_in_c_and_the_cache_sees_them_in_order(
+    tiny: TinyModels, asked: list[tuple[bytes, bool]], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    path = tiny.path(SPEC)
+    if node_filter.node_filter(node_filter.EvalFn(lambda *_: False)) is None:
+        pytest.skip(f"no C filter here: {node_filter.unavailable}")
+    resident = tiny.resident_tokens(path)
+    big = RunConfig(mode="stream", n_ctx=256, cache_bytes=64 * MiB)
+    first, second, (hits, read, _) = _run_stats(path, big, between=asked.clear)
+    assert first == second == resident[:12]
+    assert read == 0 and hits >= 11 * SPEC.n_layer, "all cached, and every routing reached the cache"
+    assert asked == [], "one-token routings of cached experts never reach Python"
+    monkeypatch.setenv("BMOE_NODE_FILTER", "python")  # negative control: Python sees every one
+    _run_stats(path, big, between=asked.clear)
+    assert sum(1 for n, a in asked if n.startswith(b"ffn_moe_topk-") and not a) >= 11 * SPEC.n_layer
+    monkeypatch.delenv("BMOE_NODE_FILTER")
+    # The accounting matches the Python filter's exactly, evicting or not (same hits, same evictions).
+    for budget in (64 * MiB, 1 * MiB):
+        config = RunConfig(mode="stream", n_ctx=256, cache_bytes=budget)
+        with_c = _run_stats(path, config)
+        monkeypatch.setenv("BMOE_NODE_FILTER", "python")
+        with_python = _run_stats(path, config)
+        monkeypatch.delenv("BMOE_NODE_FILTER")
+        assert with_c == with_python

@@ -30,6 +30,7 @@ from collections.abc import Callable
 import numpy as np
 
 from bmoe.engine.expert_major import ExpertMajor, Shapes
+from bmoe.engine.node_filter import NodeFilter
 from bmoe.errors import BmoeError, DecodeAbortedError, as_bmoe_error
 from bmoe.io.ggml import NAME_OFFSET, SRC_OFFSET, GgmlTensor
 from bmoe.pipeline.boundary import RoutePredictor, WeightsTap
@@ -121,9 +122,10 @@ class EvalCallback:
         self.wait_after: dict[bytes, tuple[int, int]] | None = None
         # Predictive read-ahead only: predicts the next layer's experts from a router input.
         self.predictor: RoutePredictor | None = None
-        # Set by the model when a C node filter stands in front: lets ``stream`` hand it the one
-        # name this callback needs, so that the other MoE nodes never reach Python.
-        self.narrow: Callable[[bytes | None], None] | None = None
+        # Set by the model when a C node filter stands in front: ``stream`` hands it the one name
+        # this callback needs, so that the other MoE nodes never reach Python, and the resident
+        # maps, so that a one-token routing of resident experts is served in C.
+        self.node_filter: NodeFilter | None = None
         # Expert-major prefill (set by the session when the model and the run allow it).
         self.expert_major: ExpertMajor | None = None
         self._em_active = False  # this decode call runs expert-major
@@ -138,21 +140,28 @@ class EvalCallback:
         self.wait_after = dict(modes.overlap.wait_after) if modes.overlap is not None else None
         self.predictor = modes.predictor
         self.streaming = True
+        nf = self.node_filter
+        if nf is not None and self._topk_only():
+            resident = gate.fast_path.resident
+            nf.serve_routing(resident, max((len(m) for m in resident), default=0))
+            gate.native = nf  # drained before the gate's own fast-path hits; off at an abort
         self._narrow()
 
     def _narrow(self) -> None:
-        if self.narrow is not None and self._topk_only():
+        nf = self.node_filter
+        if nf is not None and self._topk_only():
             # Expert-major calls need the output node of each layer too: every MoE node, then.
-            self.narrow(None if self._em_active else b"topk-")
+            nf.narrow(None if self._em_active else b"topk-")
+            nf.set_fast(self.streaming and not self._em_active and not self.gate.aborting)
 
     def before_decode(self, n_tokens: int) -> None:
         """Called before each ``llama_decode`` (no decode runs): whether this call of
         ``n_tokens`` runs expert-major, and so which nodes the C filter lets through."""
         em = self.expert_major
         active = em is not None and self.streaming and em.begin(n_tokens)
-        if active != self._em_active:
+        if active != self._em_active or self.gate.native is not None:
             self._em_active = active
-            self._narrow()
+            self._narrow()  # also turns the C routing back on after an abort turned it off
 
     def after_decode(self) -> None:
         """Called after each ``llama_decode``: expert-major puts every muted op back, and raises

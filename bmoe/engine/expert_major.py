@@ -33,7 +33,13 @@ import numpy as np
 
 from bmoe.errors import DecodeAbortedError
 from bmoe.io.ggml import GgmlTensor
-from bmoe.io.ggml_ffn import GGML_GLU_OP_SWIGLU, GGML_TYPE_F32, ExpertWeights, op_code, swiglu_experts
+from bmoe.io.ggml_ffn import (
+    GGML_GLU_OP_SWIGLU,
+    GGML_TYPE_F32,
+    ExpertWeights,
+    op_code,
+    swiglu_experts,
+)
 from bmoe.pipeline.events import routed_set
 from bmoe.pipeline.gate import RoutingGate
 

@@ -30,12 +30,15 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from bmoe.io.ggml import NAME_OFFSET
+import numpy as np
+
+from bmoe.io.ggml import DATA_OFFSET, NAME_OFFSET, NE_OFFSET
 from bmoe.io.probe import cache_dir
 
 _SOURCE = r"""
 #include <stdbool.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef bool (*bmoe_eval_fn)(void * node, bool ask, void * data);
@@ -45,10 +48,45 @@ struct bmoe_node_filter {
     uint64_t prefix;     /* the first 8 bytes of the names it wants, read as one integer */
     uint64_t tail_mask;  /* 0: every name with the prefix; else the next 8 bytes, masked, */
     uint64_t tail;       /* must equal this, and the node's ask is answered "yes" here */
+    /* The routing fast path (narrowed to the routing node only): a one-token routing whose
+       experts are all resident is answered here and logged for the cache; anything else, Python. */
+    const uint8_t * const * resident;  /* per layer: one bool per expert, or NULL */
+    int32_t n_layers;
+    int32_t n_expert;
+    int32_t fast;        /* 1: serve all-resident routings here; Python sets it between decodes */
+    int32_t log_len;     /* ints logged so far; Python drains the log and sets it back to 0 */
+    int32_t log_cap;
+    int32_t pad;
+    int32_t * log;       /* per routing served here: the layer, k, then its k ids in router order */
 };
 
+static bool bmoe_fast_route(struct bmoe_node_filter * f, const char * node, const char * name) {
+    int64_t k, rows;
+    const int32_t * ids;
+    int layer = atoi(name + 13);  /* "ffn_moe_topk-<il>" */
+    memcpy(&k, node + BMOE_NE_OFFSET, sizeof k);
+    memcpy(&rows, node + BMOE_NE_OFFSET + 8, sizeof rows);
+    memcpy(&ids, node + BMOE_DATA_OFFSET, sizeof ids);
+    if (rows != 1 || layer < 0 || layer >= f->n_layers || !f->resident[layer] || k <= 0
+        || f->log_len + 2 + k > f->log_cap) {
+        return false;
+    }
+    const uint8_t * res = f->resident[layer];
+    for (int64_t i = 0; i < k; i++) {
+        if (ids[i] < 0 || ids[i] >= f->n_expert || !res[ids[i]]) {
+            return false;
+        }
+    }
+    int32_t * out = f->log + f->log_len;
+    out[0] = layer;
+    out[1] = (int32_t) k;
+    memcpy(out + 2, ids, (size_t) k * sizeof *ids);
+    f->log_len += 2 + (int32_t) k;
+    return true;
+}
+
 bool bmoe_node_filter(void * node, bool ask, void * data) {
-    const struct bmoe_node_filter * f = (const struct bmoe_node_filter *) data;
+    struct bmoe_node_filter * f = (struct bmoe_node_filter *) data;
     const char * name = (const char *) node + BMOE_NAME_OFFSET;
     uint64_t head;
     memcpy(&head, name, sizeof head);
@@ -64,6 +102,9 @@ bool bmoe_node_filter(void * node, bool ask, void * data) {
         if (ask) {
             return true;
         }
+        if (f->fast && bmoe_fast_route(f, (const char *) node, name)) {
+            return true;
+        }
     }
     return f->inner(node, ask, NULL);
 }
@@ -75,7 +116,10 @@ EvalFn = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.
 
 class _FilterData(ctypes.Structure):
     _fields_ = [("inner", EvalFn), ("prefix", ctypes.c_uint64), ("tail_mask", ctypes.c_uint64),
-                ("tail", ctypes.c_uint64)]
+                ("tail", ctypes.c_uint64), ("resident", ctypes.POINTER(ctypes.c_void_p)),
+                ("n_layers", ctypes.c_int32), ("n_expert", ctypes.c_int32), ("fast", ctypes.c_int32),
+                ("log_len", ctypes.c_int32), ("log_cap", ctypes.c_int32), ("pad", ctypes.c_int32),
+                ("log", ctypes.POINTER(ctypes.c_int32))]
 
 
 class NodeFilter:
@@ -84,6 +128,7 @@ class NodeFilter:
     def __init__(self, lib: ctypes.CDLL, inner: EvalFn) -> None:
         self._inner = inner  # the ctypes object must outlive every call through the pointer
         self._data = _FilterData(inner, PREFIX, 0, 0)
+        self._log: np.ndarray | None = None
         self.fn = ctypes.cast(lib.bmoe_node_filter, EvalFn)
         self.data = ctypes.cast(ctypes.pointer(self._data), ctypes.c_void_p)
 
@@ -98,6 +143,47 @@ class NodeFilter:
             raise ValueError(f"a name tail of 1 to 8 bytes, not {tail!r}")
         self._data.tail = int.from_bytes(tail, "little")
         self._data.tail_mask = (1 << (8 * len(tail))) - 1
+
+    LOG_INTS = 1 << 16  # routings logged between two drains: ~150 one-token steps at 48 layers, k = 8
+
+    def serve_routing(self, resident: list[np.ndarray], n_expert: int) -> None:
+        """Let the filter serve a one-token routing whose experts are all marked in ``resident``
+        (per layer, a bool per expert, read in place) whenever ``fast`` is on; such routings are
+        logged for ``drain``. The arrays must live, unmoved, as long as this filter."""
+        self._resident = resident
+        table = (ctypes.c_void_p * len(resident))(*[m.ctypes.data for m in resident])
+        self._table = table
+        self._log = np.zeros(self.LOG_INTS, dtype=np.int32)
+        self._data.resident = ctypes.cast(table, ctypes.POINTER(ctypes.c_void_p))
+        self._data.n_layers = len(resident)
+        self._data.n_expert = n_expert
+        self._data.log = self._log.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        self._data.log_cap = self.LOG_INTS
+        self._data.log_len = 0
+
+    def set_fast(self, on: bool) -> None:
+        """Serve all-resident routings in C (True), or hand every routing to Python. Any thread:
+        an abort turns it off so the next routing reaches Python, which stops the graph."""
+        self._data.fast = 1 if on and self._data.log_cap else 0
+
+    def drain(self) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """The routings served in C since the last drain, in order: (layer, experts sorted by
+        id, each one's rank), as ``routed_set`` gives them. Call it when no decode runs, or on the
+        compute thread itself."""
+        n = self._data.log_len
+        if not n:
+            return []
+        log = self._log[:n].copy()
+        self._data.log_len = 0
+        out = []
+        i = 0
+        while i < n:
+            layer, k = int(log[i]), int(log[i + 1])
+            ids = log[i + 2 : i + 2 + k]
+            order = np.argsort(ids, kind="stable")
+            out.append((layer, ids[order], order))
+            i += 2 + k
+        return out
 
 
 _loaded: ctypes.CDLL | None = None
@@ -127,7 +213,8 @@ def node_filter(inner: EvalFn) -> NodeFilter | None:
 
 def _build() -> Path:
     """The shared library for this source and name offset, compiled once per cache directory."""
-    source = _SOURCE.replace("BMOE_NAME_OFFSET", str(NAME_OFFSET))
+    source = (_SOURCE.replace("BMOE_NAME_OFFSET", str(NAME_OFFSET)).replace("BMOE_NE_OFFSET", str(NE_OFFSET))
+              .replace("BMOE_DATA_OFFSET", str(DATA_OFFSET)))
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
     target = cache_dir() / f"node-filter-{digest}.so"
     if target.exists():

@@ -135,7 +135,7 @@ class LlamaModel:
             if self._node_filter is not None:
                 cparams.cb_eval = self._node_filter.fn
                 cparams.cb_eval_user_data = self._node_filter.data
-                callback.narrow = self._node_filter.narrow
+                callback.node_filter = self._node_filter
                 self.filter_kind = "c"
             else:
                 cparams.cb_eval = callback.c_eval

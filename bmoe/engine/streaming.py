@@ -210,6 +210,7 @@ class Streamer:
         """Between decode steps: account fast-path hits, let the guard move the budget, and evict
         down to it."""
         t0 = time.perf_counter()
+        self.gate.drain_native()
         self.prefetch.account_fast_hits()
         self.tick()
         self.prefetch.evict(self.cache.trim())

@@ -13,11 +13,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
+from typing import Protocol
 
 import numpy as np
 
 from bmoe.errors import DecodeAbortedError
-from bmoe.pipeline.boundary import SERIAL, ComputeModes, FastPath
+from bmoe.pipeline.boundary import SERIAL, ComputeModes, FastHit, FastPath
 from bmoe.pipeline.channel import Channel
 from bmoe.pipeline.events import (
     PHASE_DECODE,
@@ -26,6 +27,16 @@ from bmoe.pipeline.events import (
     RoutingEvent,
     routed_set,
 )
+
+
+class NativeRouting(Protocol):
+    """A routing fast path in native code in front of the gate (the C node filter): it serves a
+    routing of resident experts itself and logs it; the gate drains the log into its fast-path
+    hits before any routing of its own, so the cache sees every routing in order."""
+
+    def drain(self) -> list[FastHit]: ...
+
+    def set_fast(self, on: bool) -> None: ...
 
 
 class RoutingGate:
@@ -58,6 +69,7 @@ class RoutingGate:
         self._open: dict[int, RoutingEvent] = {}
         # Predictive read-ahead: a prediction waiting for the next routing event to carry it.
         self._ahead: tuple[int, tuple[int, ...]] | None = None
+        self.native: NativeRouting | None = None  # set by the eval callback when C serves routings
 
     def arm(
         self, loop: asyncio.AbstractEventLoop, events: Channel[GateItem] | None, step: int, phase: int
@@ -79,12 +91,16 @@ class RoutingGate:
         if self.error is None:
             self.error = error
         self.aborting = True
+        if self.native is not None:
+            self.native.set_fast(False)  # the next routing reaches Python, which stops the graph
         for event in list(self._pending):
             event.fail(error)
 
     def route(self, layer: int, rows: np.ndarray, ranks: np.ndarray | None = None) -> None:
         """Serve one layer's routing (``rows``: routed ids, one row per token, in the router's
         order); blocks until ready. ``ranks`` (replay) overrides the ranks the rows' order gives."""
+        if self.native is not None:
+            self.drain_native()
         experts, row_ranks = routed_set(rows)
         if ranks is None:
             ranks = row_ranks
@@ -128,6 +144,12 @@ class RoutingGate:
             return event.reply, False
         return event.proj_ready[first], True
 
+    def drain_native(self) -> None:
+        """Take the routings the native fast path served since last time into the fast-path hits,
+        in order (on the compute thread, or while no decode runs)."""
+        if self.native is not None:
+            self._fast_hits.extend(self.native.drain())
+
     def wait_proj(self, layer: int, proj: int) -> None:
         """Overlap: block until projection ``proj`` of the layer's routed experts is in place."""
         event = self._open.get(layer)
@@ -160,6 +182,8 @@ class RoutingGate:
         loop, events = self._loop, self._events
         if loop is None or events is None or self.aborting:
             return
+        if self.native is not None:
+            self.drain_native()
         ahead = ReadAhead(layer, experts, serving)
         t0 = time.perf_counter()
         loop.call_soon_threadsafe(events.send_nowait, ahead)
