@@ -1,8 +1,9 @@
 """Time to first token per prefill strategy, cold and warm, against resident, side by side.
 
 For each prompt length (5, 50, 200, 1000 tokens by default) and each strategy (one batch, auto,
-micro-batches, token by token; token-wise and micro only up to ``--chunked-max`` tokens, since
-they are never cheaper past a few dozen tokens and the run would take minutes):
+expert-major, micro-batches, token by token, or those ``--strategies`` names; token-wise and micro
+only up to ``--chunked-max`` tokens, since they are never cheaper past a few dozen tokens and the
+run would take minutes):
 
 - cold: a fresh streamed session on an evicted file, empty cache, the prompt as its first turn;
 - warm: the same session after a first turn with another prompt (a follow-up turn);
@@ -14,7 +15,8 @@ slice, from ``bmoe.io.probe``, plus the resident TTFT of the same prompt), the r
 that floor, and the strategy ``auto`` chose with its reason. Checks each streamed run's tokens
 against the resident run of the same batching. Nothing is asserted.
 
-    python bench/prefill_ttft.py [--model M] [--lengths 5,50,200,1000] [--cache-mb 1000] [-n 2] [-t T]
+    python bench/prefill_ttft.py [--model M] [--lengths 5,50,200,1000] [--strategies batch,expert]
+                                 [--cache-mb 1000] [-n 2] [-t T]
 
 Default model: the benchmark generator's 8-layer qwen3-30b-a3b shape in q4_0 (3.3 GB, written once
 into the user cache directory).
@@ -70,13 +72,13 @@ async def measure(path: Path, args: argparse.Namespace) -> dict:
         await res.generate(FIRST_TURN, 1, stop_at_end=False)  # pages the file in
         for n in args.lengths:
             for strategy in ("batch", "micro", "token"):
-                if strategy != "batch" and n > args.chunked_max:
+                if strategy != "batch" and (n > args.chunked_max or strategy not in args.strategies):
                     continue
                 object.__setattr__(res.config, "prefill", strategy)
                 r = await turn(res, prompts[n], args.n)
                 out["resident"][f"{n}/{strategy}"] = r
     for n in args.lengths:
-        for strategy in ("batch", "auto", "micro", "token"):
+        for strategy in args.strategies:
             if strategy in ("micro", "token") and n > args.chunked_max:
                 continue
             config = RunConfig(mode="stream", cache_bytes=args.cache_mb * MiB, prefill=strategy, **base)
@@ -94,6 +96,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[5, 50, 200, 1000])
+    ap.add_argument("--strategies", type=lambda s: s.split(","), default=["batch", "auto", "expert", "micro", "token"])
     ap.add_argument("--cache-mb", type=int, default=1000)
     ap.add_argument("--chunked-max", type=int, default=50)
     ap.add_argument("-n", type=int, default=2, help="tokens per turn (the first is the TTFT one)")
@@ -112,9 +115,9 @@ def main() -> None:
     for phase in ("cold", "warm"):
         for key, r in out[phase].items():
             n, strategy = key.split("/")
-            ref_strategy = "batch" if strategy in ("auto", "batch") else strategy
+            ref_strategy = "batch" if strategy in ("auto", "batch", "expert") else strategy
             ref = out["resident"].get(f"{n}/{ref_strategy}") or out["resident"].get(f"{n}/batch")
-            if strategy == "auto" and r["strategy"] != "batch":
+            if strategy == "auto" and r["strategy"] not in ("batch", "expert"):
                 ref = out["resident"].get(f"{n}/{r['strategy']}", ref)
             floor = None
             if r["prefill_bytes_read"] is not None and ref is not None:
