@@ -133,6 +133,22 @@ def test_chains_it_does_not_compute_are_refused_when_forced_and_skipped_by_auto(
     assert em is None and tokens == resident(tiny, path)
 
 
+def test_auto_runs_expert_major_when_one_batch_would_break_the_budget(tiny) -> None:
+    from bmoe.engine.prefill import planner_of
+
+    path = tiny.path(BIG)
+
+    async def go():  # noqa: ANN202
+        auto = RunConfig(mode="stream", n_ctx=256, cache_bytes=1 * MiB, force_cache=True)
+        with Session.open(path, auto) as s:
+            g = await s.generate(LONG, N_TOKENS, stop_at_end=False)
+            return g.tokens, planner_of(s).last_choice, s._callback.expert_major.layers_computed  # noqa: SLF001
+
+    tokens, choice, layers = asyncio.run(go())
+    assert choice.strategy == "expert" and layers > 0, choice.reason
+    assert tokens == resident(tiny, path)
+
+
 @pytest.mark.parametrize("kw", [{"cache_bytes": 0}, {"cache_bytes": 8 * MiB, "overlap": True},
                                 {"cache_bytes": 8 * MiB, "mode": "resident"}])
 def test_expert_prefill_config_is_validated(kw: dict) -> None:

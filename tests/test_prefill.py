@@ -155,3 +155,15 @@ def test_auto_chunks_when_one_batch_would_break_the_budget() -> None:
     assert fits(LAYERS, c.chunk, 0.0, 32 << 20) and not fits(LAYERS, 50, 0.0, 32 << 20)
     # The cache off (budget 0) has no budget to keep: one batch.
     assert choose("auto", 50, 512, LAYERS, rates, budget_bytes=0).strategy == "batch"
+
+
+def test_auto_runs_expert_major_where_one_batch_would_break_the_budget() -> None:
+    rates = Rates(1e9, 0.05, 0.002, hit=0.0)
+    tight = choose("auto", 50, 512, LAYERS, rates, budget_bytes=32 << 20, expert=True)
+    assert tight.strategy == "expert" and tight.chunk == 512 and "exceed" in tight.reason
+    unmeasured = choose("auto", 50, 512, LAYERS, Rates(), budget_bytes=32 << 20, expert=True)
+    assert unmeasured.strategy == "expert", "it needs no measurement: it reads what one batch reads"
+    roomy = choose("auto", 50, 512, LAYERS, rates, budget_bytes=1 << 40, expert=True)
+    assert roomy.strategy == "batch", "where one batch fits, one batch"
+    assert choose("auto", 1, 512, LAYERS, rates, budget_bytes=32 << 20, expert=True).strategy != "expert"
+    assert choose("expert", 50, 512, LAYERS, rates).strategy == "expert"

@@ -91,6 +91,7 @@ class PrefillPlanner:
         budget = session._streaming.cache.budget_bytes if session._streaming is not None else 0
         choice = choose(
             session.config.prefill, len(tokens), n_batch, _layers(session), self.rates(session), budget,
+            expert=session._callback.expert_major is not None,
         )
 
         self.last_choice = choice
