@@ -209,6 +209,7 @@ class ExpertMajor:
         the graph computed experts on bytes that were never read."""
         self._restore()
         pending, self._pending = self._pending, None
+        self._running = self._x = None
         self.active = False
         if pending is not None and self.gate.error is None:
             raise DecodeAbortedError(f"expert-major: layer {pending.layer}'s expert nodes never came")
@@ -284,8 +285,11 @@ class ExpertMajor:
         resident = self.gate.fast_path.resident[layer]
         held = [e for e in experts.tolist() if resident[e]]
         missing = [e for e in experts.tolist() if not resident[e]]
+        # Held experts first (computed while the first missing group reads), then the missing
+        # ones; every group of at most ``step`` experts, which also bounds the activations one
+        # ggml call allocates (about 27 MB for 16 experts of a 512-token batch at 30B-A3B shape).
         step = max(1, self.group_size(layer))
-        groups = ([held] if held else []) + [missing[i : i + step] for i in range(0, len(missing), step)]
+        groups = [part[i : i + step] for part in (held, missing) for i in range(0, len(part), step)]
         w = tuple(ExpertWeights.of(_t(m).src[0]) for m in nodes.mm)
         out = _t(nodes.output)
         n_out, k = out.ne[0], out.ne[1]
