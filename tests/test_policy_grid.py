@@ -67,3 +67,24 @@ def test_lognormal_law_touches_fewer_experts_than_zipf() -> None:
     assert logn < zipf - 15
     with pytest.raises(ConfigError):
         RoutingSpec(law="pareto")
+
+
+def test_markov_reference_uses_the_carry_over_and_stays_under_belady() -> None:
+    """The bench's ``markov`` reference knows the generator's carry-over: with strong reuse at one
+    token's working set it beats LRU and the popularity-only oracle; Belady stays the ceiling."""
+    from bench.policy_grid import MarkovOracle, PopularityOracle, inclusion
+
+    spec = RoutingSpec(n_expert=64, top_k=4, n_layer=8, skew=1.05, reuse=0.5, tokens=96, prompt=8,
+                       expert_bytes=MiB, seed=2)
+    trace = routing_trace(spec)
+    events = trace.layer_events()
+    incl, carry = inclusion(spec)
+    assert carry.mean() > 0.2, "this cell carries experts over"
+    budget = spec.n_layer * spec.top_k * MiB * 2
+    hits = {name: simulate(trace, factory, budget, events=events).decode_hit_pct for name, factory in {
+        "lru": "lru", "opt": "opt",
+        "oracle": lambda _e: PopularityOracle(incl),
+        "markov": lambda _e: MarkovOracle(incl, carry),
+    }.items()}
+    assert hits["markov"] > hits["lru"] and hits["markov"] > hits["oracle"]
+    assert hits["opt"] >= hits["markov"]
