@@ -9,7 +9,14 @@ time (a run's median step is not moved by a few steps slowed by other work, as i
 ratios and each round's ratios to its own resident run (their spread is the noise); nothing
 asserted.
 
+``--open-modes user,mmap-drop`` runs each policy under each open: the ``user`` open (what ``auto``
+picks for a model that fits its allocation) builds llama.cpp's graph with every optional tensor
+the architecture knows (no-op ``.scale`` multiplies and biases, ``bmoe.engine.loader``), the plain
+load behind ``mmap-drop`` the same graph as the resident run. Side by side they separate what the
+streaming machinery costs from what the user open's graph costs.
+
     python bench/all_cached.py MODEL [-n 48] [--rounds 4] [--cache-mb 16000] [--policies default,lru]
+                                     [--open-modes user,mmap-drop]
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ async def measure(model: Path, config: RunConfig, n: int) -> dict:
     return {"tok_per_s": st.tok_per_s, "median_step_ms": statistics.median(steps) if steps else None,
             "hit_pct": st.cache_hit_pct, "bytes_read": st.bytes_read,
             "cache_ms_per_token": None if st.cache_s is None else 1000 * st.cache_s / max(1, st.generated_tokens),
-            "tokens": st.generated_tokens, "warm_tokens": len(warm.tokens)}
+            "tokens": st.generated_tokens, "warm_tokens": len(warm.tokens), "open_mode": st.open_mode}
 
 
 def main() -> None:
@@ -46,11 +53,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--cache-mb", type=float, default=16000.0, help="at least the expert bank")
     ap.add_argument("--policies", default="default", help="cache policies to run all cached, comma separated")
+    ap.add_argument("--open-modes", default="auto", help="streamed runs' open modes, comma separated (auto, user, "
+                    "mmap-drop, reserved)")
     args = ap.parse_args()
     configs = {"resident": RunConfig(mode="resident", n_ctx=512)}
+    modes = [m for m in args.open_modes.split(",") if m]
     for p in args.policies.split(","):
-        configs[f"all_cached_{p}"] = RunConfig(mode="stream", n_ctx=512, cache_bytes=int(args.cache_mb * MiB),
-                                               force_cache=True, cache_policy=p)
+        for m in modes:
+            name = f"all_cached_{p}" if modes == ["auto"] else f"all_cached_{p}_{m}"
+            configs[name] = RunConfig(mode="stream", n_ctx=512, cache_bytes=int(args.cache_mb * MiB),
+                                      force_cache=True, cache_policy=p, open_mode=m)
     tok: dict[str, list[float | None]] = {name: [] for name in configs}
     step: dict[str, list[float | None]] = {name: [] for name in configs}
     for r in range(args.rounds):
