@@ -4,6 +4,7 @@ the ones the Python filter (and a resident run) give."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
 
 import pytest
 
@@ -13,7 +14,7 @@ from bmoe.engine.config import MiB, RunConfig
 from bmoe.engine.session import Session
 from bmoe.io.ggml import GgmlTensor
 from bmoe.synth.tiny import TinySpec
-from tests.helpers import PROMPT, TinyModels, generate_tokens
+from tests.helpers import N_TOKENS, PROMPT, TinyModels, generate_tokens
 
 SPEC = TinySpec(arch="qwen3moe", n_layer=4, n_expert=8, n_expert_used=2)
 EVICTING = RunConfig(mode="stream", n_ctx=256, cache_bytes=1 * MiB)
@@ -160,3 +161,65 @@ def test_resident_routings_are_served_in_c_and_the_cache_sees_them_in_order(
         with_python = _run_stats(path, config)
         monkeypatch.delenv("BMOE_NODE_FILTER")
         assert with_c == with_python
+
+
+
+
+def _noop_run(path, monkeypatch: pytest.MonkeyPatch, scale: float | None = None, mute: bool = True):  # noqa: ANN001, ANN202
+    """Greedy tokens of a streamed user-open run and the no-op nodes it muted. ``scale``: the
+    filled per-expert down scales are overwritten with it after the open (the filter still takes
+    them for no-ops); ``mute`` False: the filter mutes nothing."""
+    import numpy as np
+
+    import bmoe.engine.loader as loader
+
+    open_user = loader._open_user
+
+    def opening(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        opened = open_user(*a, **kw)
+        if scale is not None:
+            for name, addr in opened.tensors.items():
+                if name.endswith("ffn_down_exps.scale"):
+                    t = GgmlTensor.from_address(addr)
+                    n = t.ne[0] * t.ne[1] * t.ne[2] * t.ne[3]
+                    np.ctypeslib.as_array((ctypes.c_float * n).from_address(t.data))[:] = scale
+        return opened
+
+    monkeypatch.setattr(loader, "_open_user", opening)
+    if not mute:
+        monkeypatch.setattr(node_filter.NodeFilter, "set_skip", lambda self, on: None)
+
+    async def go():  # noqa: ANN202
+        with Session.open(path, RunConfig(mode="stream", n_ctx=256, cache_bytes=64 * MiB)) as s:
+            g = await s.generate(PROMPT, N_TOKENS, stop_at_end=False)
+            nf = s._model._node_filter  # noqa: SLF001 - the filter's own count
+            return g.tokens, (nf.skipped if nf is not None else 0), g.stats.open_mode
+
+    out = asyncio.run(go())
+    monkeypatch.undo()
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
+def test_the_user_opens_no_op_nodes_are_muted_and_tokens_stay_resident(
+    tiny: TinyModels, arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The user open creates every optional tensor (1.0 scales, 0.0 biases); their nodes cost a
+    barrier each a token. Muted in C, the run must give the resident tokens. Negative control: with
+    the down scales made 50.0 (no no-op any more) a mute drops a real computation, and the tokens
+    differ from the unmuted run's: a wrong mute shows in the tokens."""
+    if node_filter.node_filter(node_filter.EvalFn(lambda *_: False)) is None:
+        pytest.skip(f"no C filter here: {node_filter.unavailable}")
+    path = tiny.path(TinySpec(arch=arch, n_layer=3, n_expert=8, n_expert_used=2))
+    resident = tiny.resident_tokens(path)
+    tokens, skipped, mode = _noop_run(path, monkeypatch)
+    assert mode == "user" and skipped > 0, "no-op nodes were muted"
+    assert tokens == resident
+    unmuted, none_muted, _ = _noop_run(path, monkeypatch, mute=False)
+    assert none_muted == 0 and unmuted == resident
+    if arch != "qwen3moe":
+        return  # the control overwrites qwen3moe's expert down scales; on qwen2moe that changed no token here
+    scaled, _, _ = _noop_run(path, monkeypatch, scale=50.0, mute=False)
+    scaled_muted, _, _ = _noop_run(path, monkeypatch, scale=50.0)
+    assert scaled != resident, "a 50.0 scale changes the tokens"
+    assert scaled_muted != scaled, "muting it drops it: the tokens show a wrong mute"

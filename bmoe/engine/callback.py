@@ -159,6 +159,10 @@ class EvalCallback:
         ``n_tokens`` runs expert-major, and so which nodes the C filter lets through."""
         em = self.expert_major
         active = em is not None and self.streaming and em.begin(n_tokens)
+        if self.node_filter is not None:
+            # One-token graphs only: expert-major (batches) matches the scale chain op by op, and
+            # llama.cpp reuses a graph only for the same batch shape.
+            self.node_filter.set_skip(n_tokens == 1)
         if active != self._em_active or self.gate.native is not None:
             self._em_active = active
             self._narrow()  # also turns the C routing back on after an abort turned it off

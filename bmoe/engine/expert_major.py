@@ -115,17 +115,20 @@ def _unscaled(node: int, mmid: int, muted: Mapping[int, int]) -> tuple[int | Non
     t = _t(node)
     if muted.get(node, t.op) == mmid:
         return node, None, (node,)
-    if t.op != op_code("MUL") or not t.src[0] or muted.get(t.src[0], _t(t.src[0]).op) != mmid:
+    # The node filter may have muted a no-op scale's MUL and its chain (``NodeFilter.skip_noops``):
+    # a muted node keeps its sources, so it is walked as the op it was.
+    none = op_code("NONE")
+    if t.op not in (op_code("MUL"), none) or not t.src[0] or muted.get(t.src[0], _t(t.src[0]).op) != mmid:
         return None, None, ()
     rows = _t(t.src[1]) if t.src[1] else None
-    if rows is None or rows.op != op_code("GET_ROWS") or not rows.src[0]:
+    if rows is None or rows.op not in (op_code("GET_ROWS"), none) or not rows.src[0]:
         return None, None, ()
     # The scale tensor [n_expert], reshaped to [1, n_expert] (same data) and, for a batch, repeated
-    # over its tokens: follow src[0] down to the n_expert values.
+    # over its tokens: follow src[0] down to the n_expert values (a leaf: no source).
     n_expert = _t(_t(t.src[0]).src[0]).ne[2]
     scale = _t(rows.src[0])
     repeat, views = op_code("REPEAT"), (op_code("RESHAPE"), op_code("VIEW"))
-    while scale.src[0] and (scale.op == repeat or (scale.op in views and _numel(scale) != n_expert)):
+    while scale.src[0] and (scale.op in (repeat, none) or (scale.op in views and _numel(scale) != n_expert)):
         scale = _t(scale.src[0])
     if scale.type != GGML_TYPE_F32 or _numel(scale) != n_expert or scale.op not in (op_code("NONE"), *views):
         return None, None, ()

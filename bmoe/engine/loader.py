@@ -128,6 +128,10 @@ class OpenedModel:
     # ggml_tensor address by name, for every tensor the user path saw (first one of a duplicated
     # name); empty for the mmap modes, where the caller captures by a warm-up decode.
     tensors: dict[str, int] = field(default_factory=dict)
+    # The optional tensors the user path filled as no-ops (1.0 scales, 0.0 biases), by address: the
+    # node filter mutes the nodes that apply them (``NodeFilter.skip_noops``).
+    noop_ones: tuple[int, ...] = ()
+    noop_zeros: tuple[int, ...] = ()
     # The user path's keep-alive: gguf context, ctypes callback, filler state.
     _keep: list[Any] = field(default_factory=list, repr=False)
     _freers: list[Callable[[], None]] = field(default_factory=list, repr=False)
@@ -417,6 +421,8 @@ class _Filler:
         self.tie_output = tie_output
         self.expert_names = {et.span.name for et in layout.experts.values()}
         self.tensors: dict[str, int] = {}
+        self.noop_ones: list[int] = []  # the optional tensors filled with 1.0 / 0.0 (no-op scales, biases)
+        self.noop_zeros: list[int] = []
         self.error: BaseException | None = None
         self.bytes_filled = 0
         self.fds: list[int] = []
@@ -471,6 +477,7 @@ class _Filler:
         if t.type != GGML_TYPE_F32 or nbytes % 4:
             raise UserPathUnsupported(f"llama.cpp made the missing {name} type {t.type}, not F32")
         np.ndarray(nbytes // 4, np.float32, (ctypes.c_char * nbytes).from_address(t.data)).fill(value)
+        (self.noop_zeros if value == 0.0 else self.noop_ones).append(tensor)
 
     def _read(self, span: TensorSpan, addr: int) -> None:
         fd = self.fds[span.shard]
@@ -508,7 +515,8 @@ def _open_user(layout: ModelLayout, streaming: bool, params: Any) -> OpenedModel
             f"llama_model_init_from_user failed for {layout.shards[0]} (its one "
             f"{user_alloc_bytes(layout) / _GIB:.2f} GiB allocation refused?)"
         )
-    opened = OpenedModel(model, "user", "", None, dict(filler.tensors))
+    opened = OpenedModel(model, "user", "", None, dict(filler.tensors), noop_ones=tuple(filler.noop_ones),
+                         noop_zeros=tuple(filler.noop_zeros))
     opened._keep.extend([filler, filler.c_callback])
     opened._freers.append(lambda: g.gguf_free(ctx))
     if filler.error is not None:

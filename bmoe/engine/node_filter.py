@@ -28,11 +28,13 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from bmoe.io.ggml import DATA_OFFSET, NAME_OFFSET, NE_OFFSET
+from bmoe.io.ggml import DATA_OFFSET, NAME_OFFSET, NE_OFFSET, OP_OFFSET, SRC_OFFSET
+from bmoe.io.ggml_ffn import op_code
 from bmoe.io.probe import cache_dir
 
 _SOURCE = r"""
@@ -58,7 +60,60 @@ struct bmoe_node_filter {
     int32_t log_cap;
     int32_t pad;
     int32_t * log;       /* per routing served here: the layer, k, then its k ids in router order */
+    /* No-op nodes (the user open's filled optional tensors): an in-place MUL by a tensor of 1.0 or
+       ADD of a tensor of 0.0, reached through data moves only, is muted at its ask, with the
+       REPEAT / GET_ROWS chain that feeds it. Sorted addresses; Python sets skip per decode. */
+    const uint64_t * ones;
+    const uint64_t * zeros;
+    int32_t n_ones, n_zeros, skip, op_mul, op_add, op_none, op_repeat, op_rows, op_reshape, op_view;
+    int64_t skipped;     /* nodes muted so far (their chains not counted) */
 };
+
+static int bmoe_in(const uint64_t * set, int32_t n, uint64_t p) {
+    int32_t lo = 0, hi = n - 1;
+    while (lo <= hi) {
+        int32_t mid = lo + (hi - lo) / 2;
+        if (set[mid] == p) return 1;
+        if (set[mid] < p) lo = mid + 1; else hi = mid - 1;
+    }
+    return 0;
+}
+
+#define BMOE_OP(t) (*(int32_t *) ((char *) (t) + BMOE_OP_OFFSET))
+#define BMOE_SRC(t, i) (*(char **) ((char *) (t) + BMOE_SRC_OFFSET + 8 * (i)))
+#define BMOE_DATA(t) (*(void **) ((char *) (t) + BMOE_DATA_OFFSET))
+
+static void bmoe_skip_noop(struct bmoe_node_filter * f, char * node) {
+    int32_t op = BMOE_OP(node);
+    if (op != f->op_mul && op != f->op_add) {
+        return;
+    }
+    char * a = BMOE_SRC(node, 0);
+    char * b = BMOE_SRC(node, 1);
+    if (!a || !b || BMOE_DATA(node) != BMOE_DATA(a) || memcmp(node + BMOE_NE_OFFSET, a + BMOE_NE_OFFSET, 32)) {
+        return;  /* not in place over its input, or broadcast over it: the result is not the input */
+    }
+    const uint64_t * set = op == f->op_mul ? f->ones : f->zeros;
+    int32_t n = op == f->op_mul ? f->n_ones : f->n_zeros;
+    char * chain[6];
+    int nc = 0;
+    while (!bmoe_in(set, n, (uint64_t) (uintptr_t) b)) {
+        int32_t bop = BMOE_OP(b);
+        if (nc == 6 || (bop != f->op_repeat && bop != f->op_rows && bop != f->op_reshape && bop != f->op_view)) {
+            return;
+        }
+        chain[nc++] = b;
+        b = BMOE_SRC(b, 0);
+        if (!b) return;
+    }
+    BMOE_OP(node) = f->op_none;
+    for (int i = 0; i < nc; i++) {
+        if (BMOE_OP(chain[i]) == f->op_repeat || BMOE_OP(chain[i]) == f->op_rows) {
+            BMOE_OP(chain[i]) = f->op_none;
+        }
+    }
+    f->skipped++;
+}
 
 static bool bmoe_fast_route(struct bmoe_node_filter * f, const char * node, const char * name) {
     int64_t k, rows;
@@ -87,6 +142,9 @@ static bool bmoe_fast_route(struct bmoe_node_filter * f, const char * node, cons
 
 bool bmoe_node_filter(void * node, bool ask, void * data) {
     struct bmoe_node_filter * f = (struct bmoe_node_filter *) data;
+    if (ask && f->skip) {
+        bmoe_skip_noop(f, (char *) node);
+    }
     const char * name = (const char *) node + BMOE_NAME_OFFSET;
     uint64_t head;
     memcpy(&head, name, sizeof head);
@@ -119,7 +177,11 @@ class _FilterData(ctypes.Structure):
                 ("tail", ctypes.c_uint64), ("resident", ctypes.POINTER(ctypes.c_void_p)),
                 ("n_layers", ctypes.c_int32), ("n_expert", ctypes.c_int32), ("fast", ctypes.c_int32),
                 ("log_len", ctypes.c_int32), ("log_cap", ctypes.c_int32), ("pad", ctypes.c_int32),
-                ("log", ctypes.POINTER(ctypes.c_int32))]
+                ("log", ctypes.POINTER(ctypes.c_int32)),
+                ("ones", ctypes.POINTER(ctypes.c_uint64)), ("zeros", ctypes.POINTER(ctypes.c_uint64)),
+                *((f, ctypes.c_int32) for f in ("n_ones", "n_zeros", "skip", "op_mul", "op_add", "op_none",
+                                                  "op_repeat", "op_rows", "op_reshape", "op_view")),
+                ("skipped", ctypes.c_int64)]
 
 
 class NodeFilter:
@@ -160,6 +222,31 @@ class NodeFilter:
         self._data.log = self._log.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
         self._data.log_cap = self.LOG_INTS
         self._data.log_len = 0
+
+    def skip_noops(self, ones: Sequence[int], zeros: Sequence[int]) -> None:
+        """Mute the nodes that apply these tensors as no-ops (``ones``: every value 1.0, applied by
+        MUL; ``zeros``: 0.0, by ADD; in place, reached through REPEAT / GET_ROWS / views only),
+        with the chain that feeds them, whenever ``set_skip`` is on. The user open fills the
+        optional tensors a file lacks this way (``bmoe.engine.loader``): each would otherwise be
+        a node and a thread barrier a token that the plain load's graph does not have."""
+        self._ones = np.array(sorted(set(ones)), dtype=np.uint64)
+        self._zeros = np.array(sorted(set(zeros)), dtype=np.uint64)
+        d = self._data
+        d.ones = self._ones.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64))
+        d.zeros = self._zeros.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64))
+        d.n_ones, d.n_zeros = len(self._ones), len(self._zeros)
+        (d.op_mul, d.op_add, d.op_none, d.op_repeat, d.op_rows, d.op_reshape, d.op_view) = (
+            op_code(n) for n in ("MUL", "ADD", "NONE", "REPEAT", "GET_ROWS", "RESHAPE", "VIEW"))
+
+    def set_skip(self, on: bool) -> None:
+        """Mute no-op nodes in the graphs computed from now on (call it while no decode runs). Off
+        for a graph that expert-major reads: it matches the scale chain op by op."""
+        self._data.skip = 1 if on and (self._data.n_ones or self._data.n_zeros) else 0
+
+    @property
+    def skipped(self) -> int:
+        """No-op nodes muted so far (a reused graph keeps its muted nodes and counts none again)."""
+        return int(self._data.skipped)
 
     def set_fast(self, on: bool) -> None:
         """Serve all-resident routings in C (True), or hand every routing to Python. Any thread:
@@ -214,7 +301,8 @@ def node_filter(inner: EvalFn) -> NodeFilter | None:
 def _build() -> Path:
     """The shared library for this source and name offset, compiled once per cache directory."""
     source = (_SOURCE.replace("BMOE_NAME_OFFSET", str(NAME_OFFSET)).replace("BMOE_NE_OFFSET", str(NE_OFFSET))
-              .replace("BMOE_DATA_OFFSET", str(DATA_OFFSET)))
+              .replace("BMOE_DATA_OFFSET", str(DATA_OFFSET)).replace("BMOE_OP_OFFSET", str(OP_OFFSET))
+              .replace("BMOE_SRC_OFFSET", str(SRC_OFFSET)))
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
     target = cache_dir() / f"node-filter-{digest}.so"
     if target.exists():

@@ -137,6 +137,9 @@ class LlamaModel:
                 cparams.cb_eval_user_data = self._node_filter.data
                 callback.node_filter = self._node_filter
                 self.filter_kind = "c"
+                noops = (getattr(opened, "noop_ones", ()), getattr(opened, "noop_zeros", ()))
+                if any(noops):
+                    self._node_filter.skip_noops(*noops)
             else:
                 cparams.cb_eval = callback.c_eval
                 self.filter_kind = f"python: {node_filter_module.unavailable}"

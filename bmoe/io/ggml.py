@@ -49,6 +49,7 @@ DATA_OFFSET = GgmlTensor.data.offset
 NE_OFFSET = GgmlTensor.ne.offset
 NB_OFFSET = GgmlTensor.nb.offset
 SRC_OFFSET = GgmlTensor.src.offset
+OP_OFFSET = GgmlTensor.op.offset
 
 # The ggml_tensor_overhead() of this layout: the struct plus ggml's object header.
 _GGML_OBJECT_SIZE = 32
