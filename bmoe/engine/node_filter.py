@@ -14,6 +14,12 @@ runs once a layer, when the routed ids are there (48 calls a token at 48 layers,
 Modes that watch other MoE nodes (overlap's wait points, read-ahead's router input, route traces'
 weights, the lossy levers) keep every ``ffn_moe_*`` node.
 
+The user open fills the optional tensors a file lacks with no-op values (1.0 scales, 0.0
+biases), and llama.cpp's graph applies each one: at full depth some 16 extra nodes a layer, each a
+thread barrier, which made an all-cached token about 0.85x the plain load's. Told those tensors
+(``skip_noops``), the filter mutes their nodes at the ask (``GGML_OP_NONE``, which the CPU loop
+skips without a barrier) in one-token graphs, where nothing but the filter looks at them.
+
 It is compiled on first use with the system C compiler (``$CC``, else ``cc``) into bmoe's cache
 directory, keyed by a hash of its source and the name offset, and loaded with ctypes: no build
 step, no fork of llama.cpp. Without a compiler (or with ``BMOE_NODE_FILTER=python``) the Python
