@@ -70,10 +70,14 @@ class PopularityOracle:
         self._held: list[Entry] = []
         self._seq = 0
 
+    def _p(self, entry: Entry) -> float:
+        """The chance a fresh draw routes ``entry``: the eviction key (lowest first)."""
+        return float(self._incl[entry])
+
     def _push(self, entry: Entry) -> None:
         self._flush()
         self._seq += 1
-        key = self._key[entry] = (float(self._incl[entry]), self._seq)
+        key = self._key[entry] = (self._p(entry), self._seq)
         heapq.heappush(self._heap, (*key, entry))
 
     def _flush(self) -> None:
@@ -121,14 +125,6 @@ class MarkovOracle(PopularityOracle):
         for e in old - new:
             if (layer, e) in self._key:
                 self._push((layer, e))  # out of the last set: back to its popularity
-
-    def _push(self, entry: Entry) -> None:
-        self._flush()
-        self._seq += 1
-        key = self._key[entry] = (self._p(entry), self._seq)
-        heapq.heappush(self._heap, (*key, entry))
-
-    used = admitted = _push
 
 
 def inclusion(spec: RoutingSpec, draws: int = 512) -> tuple[np.ndarray, np.ndarray]:
@@ -224,6 +220,10 @@ def summarise(rows: Sequence[Row], policy: str) -> str:
             f"cells under a quarter of the gap: {sum(s < 0.25 for s, _ in shares)}")
 
 
+def _under_a_quarter(rows: Sequence[Row], policy: str) -> list[Row]:
+    return [r for r in rows if r.share(policy) is not None and r.share(policy) < 0.25]
+
+
 def _name(r: Row) -> str:
     return f"{r.shape} {r.law} skew={r.skew:g} reuse={r.reuse:.2f} budget={r.budget}"
 
@@ -257,17 +257,18 @@ def main(argv: list[str] | None = None) -> int:
           f"{time.perf_counter() - t0:.0f} s; decode hit %, share = (x - lru) / (opt - lru)")
     for x in policies:
         print(summarise(rows, x))
+    online = [x for x in policies if x not in ("oracle", "markov")]
     if "markov" in policies:
-        for x in (x for x in policies if x not in ("oracle", "markov")):
-            under = [r for r in rows if r.share(x) is not None and r.share(x) < 0.25]
+        for x in online:
+            under = _under_a_quarter(rows, x)
             bound = [r for r in under if r.share("markov") < 0.25]
             print(f"{x}: {len(under)} cells under a quarter of the gap; in {len(bound)} of them the Markov "
                   f"oracle (the generator's exact next-visit probabilities) is under a quarter too; "
                   f"median {x} - markov share over all cells "
                   f"{100 * statistics.median(r.share(x) - r.share('markov') for r in rows if r.share(x) is not None):+.1f} points")
     if "oracle" in policies:
-        for x in (x for x in policies if x not in ("oracle", "markov")):
-            under = [r for r in rows if r.share(x) is not None and r.share(x) < 0.25]
+        for x in online:
+            under = _under_a_quarter(rows, x)
             iid = [r for r in under if r.carry == 0.0]
             bound = [r for r in iid if r.share("oracle") < 0.25]
             print(f"{x}: {len(under)} cells under a quarter of the gap; {len(iid)} of them draw each token "

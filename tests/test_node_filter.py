@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 
+import numpy as np
 import pytest
 
 from bmoe.engine import node_filter
@@ -163,14 +164,10 @@ def test_resident_routings_are_served_in_c_and_the_cache_sees_them_in_order(
         assert with_c == with_python
 
 
-
-
 def _noop_run(path, monkeypatch: pytest.MonkeyPatch, scale: float | None = None, mute: bool = True):  # noqa: ANN001, ANN202
     """Greedy tokens of a streamed user-open run and the no-op nodes it muted. ``scale``: the
     filled per-expert down scales are overwritten with it after the open (the filter still takes
     them for no-ops); ``mute`` False: the filter mutes nothing."""
-    import numpy as np
-
     import bmoe.engine.loader as loader
 
     open_user = loader._open_user

@@ -130,7 +130,7 @@ def _unscaled(node: int, mmid: int, muted: Mapping[int, int]) -> tuple[int | Non
     repeat, views = op_code("REPEAT"), (op_code("RESHAPE"), op_code("VIEW"))
     while scale.src[0] and (scale.op in (repeat, none) or (scale.op in views and _numel(scale) != n_expert)):
         scale = _t(scale.src[0])
-    if scale.type != GGML_TYPE_F32 or _numel(scale) != n_expert or scale.op not in (op_code("NONE"), *views):
+    if scale.type != GGML_TYPE_F32 or _numel(scale) != n_expert or scale.op not in (none, *views):
         return None, None, ()
     values = np.frombuffer((ctypes.c_float * n_expert).from_address(scale.data), dtype=np.float32).copy()
     return t.src[0], (None if bool((values == 1.0).all()) else values), (t.src[0], node)

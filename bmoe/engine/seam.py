@@ -28,6 +28,9 @@ class OwnedModel(Protocol):
     """A loaded ``llama_model`` handed over to a ``LlamaModel`` (``loader.OpenedModel``)."""
 
     model: Any  # llama_cpp.llama_model_p
+    # The optional tensors the open filled as no-ops, by address (empty unless the user open).
+    noop_ones: tuple[int, ...]
+    noop_zeros: tuple[int, ...]
 
     def free(self) -> None: ...
 
@@ -137,9 +140,8 @@ class LlamaModel:
                 cparams.cb_eval_user_data = self._node_filter.data
                 callback.node_filter = self._node_filter
                 self.filter_kind = "c"
-                noops = (getattr(opened, "noop_ones", ()), getattr(opened, "noop_zeros", ()))
-                if any(noops):
-                    self._node_filter.skip_noops(*noops)
+                if opened.noop_ones or opened.noop_zeros:
+                    self._node_filter.skip_noops(opened.noop_ones, opened.noop_zeros)
             else:
                 cparams.cb_eval = callback.c_eval
                 self.filter_kind = f"python: {node_filter_module.unavailable}"
