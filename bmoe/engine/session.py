@@ -60,7 +60,7 @@ from bmoe.pipeline.events import PHASE_DECODE, PHASE_PREFILL
 from bmoe.pipeline.gate import RoutingGate
 from bmoe.pipeline.hooks import Hooks
 from bmoe.pipeline.pressure import PressureGuard
-from bmoe.stages.compute import ComputeStage
+from bmoe.stages.compute import ComputeStage, compute_thread, on_compute_thread
 from bmoe.stages.dense import AnonDense
 from bmoe.stages.predict import Predictor, load_routers
 
@@ -139,7 +139,7 @@ class Session:
         self._streaming = streaming
         self._dense = dense
         gate = callback.gate
-        self._compute = ComputeStage(model.decode, gate.arm, gate.disarm, gate.abort)
+        self._compute = ComputeStage(model.decode, gate.arm, gate.disarm, gate.abort, compute_thread())
         self._lock: asyncio.Lock | None = None
         self.open_mode = opened.open_mode
         self.open_reason = opened.open_reason
@@ -685,14 +685,19 @@ def _anon_dense(layout: ModelLayout, opened: OpenedModel, model: LlamaModel, con
     """Copy the dense weights into anonymous memory so page-cache churn cannot evict them."""
     expert_names = {et.span.name for et in layout.experts.values()}
     names = [n for n in layout.tensors if n not in expert_names]
-    tensors = opened.tensors or capture_weights(model.model, names, n_threads=config.threads)
+    tensors = opened.tensors or on_compute_thread(lambda: capture_weights(model.model, names, n_threads=config.threads))
     dense = AnonDense(layout, tensors, open_mode=opened.open_mode)
     dense.apply()
     return dense
 
 
 def _warm_up(model: LlamaModel, callback: EvalCallback, visitor: Capture | Consumption | Shapes) -> None:
-    """One-token decode with ``visitor`` shown every MoE node of the graph, then the KV cleared."""
+    """One-token decode with ``visitor`` shown every MoE node of the graph, then the KV cleared; on
+    the compute thread, as every decode (``bmoe.stages.compute``)."""
+    on_compute_thread(_warm_up_here, model, callback, visitor)
+
+
+def _warm_up_here(model: LlamaModel, callback: EvalCallback, visitor: Capture | Consumption | Shapes) -> None:
     callback.capture = visitor
     try:
         model.decode(model.tokenize("a", add_special=False)[:1] or [0])

@@ -1,32 +1,74 @@
 """Compute: the decode driver. ``llama_decode`` runs on one dedicated worker thread (never the loop
 thread: the eval callback waits on the loop), and each decode call owns the stage tasks that serve
 its routing events, so no task outlives the step that needed it.
+
+That thread is one per process (``compute_thread``), and every llama.cpp decode bmoe makes runs on
+it, the open's warm-up decodes included (``on_compute_thread``). llama.cpp's CPU backend computes
+with OpenMP, and libgomp keeps a team of worker threads for every thread that ever started a
+parallel region, for that thread's life. Once the threads it manages outnumber the CPUs, its
+barriers spin about 100 times and then sleep on a futex (GCC's manual, ``GOMP_SPINCOUNT``). One
+warm-up decode on the opening thread was enough: a streamed token's threads then slept some 660
+times each, and an all-cached decode ran at 0.80x a resident one on 2 cores (``docs/facts.md``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from bmoe.errors import GenerationCancelled
 from bmoe.pipeline.channel import Channel
 from bmoe.pipeline.events import GateItem
 
 DecodeFn = Callable[[list[int]], None]
+T = TypeVar("T")
+
+_shared: tuple[int, ThreadPoolExecutor] | None = None  # (the process it belongs to, the thread)
+_shared_lock = threading.Lock()
+_here = threading.local()
+
+
+def _mark() -> None:
+    _here.compute = True
+
+
+def compute_thread() -> ThreadPoolExecutor:
+    """This process's compute thread (made on first use; a forked child makes its own)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None or _shared[0] != os.getpid():
+            _shared = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="bmoe-compute", initializer=_mark))
+        return _shared[1]
+
+
+def on_compute_thread(fn: Callable[..., T], *args: object) -> T:
+    """``fn(*args)`` run on the compute thread, waited for (at once if called there)."""
+    if getattr(_here, "compute", False):
+        return fn(*args)
+    return compute_thread().submit(fn, *args).result()
 
 
 class ComputeStage:
+    """Runs ``decode`` on ``thread``: by default a thread of its own (a replay's modelled compute,
+    which runs no llama.cpp), for sessions the process's ``compute_thread``, which ``close``
+    leaves running for the next."""
+
     def __init__(
         self,
         decode: DecodeFn,
         arm: Callable[[asyncio.AbstractEventLoop, Channel[GateItem] | None, int, int], None],
         disarm: Callable[[], None],
         abort: Callable[[BaseException], None],
+        thread: ThreadPoolExecutor | None = None,
     ) -> None:
         self._decode = decode
         self._arm, self._disarm, self._abort = arm, disarm, abort
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bmoe-compute")
+        self._own = thread is None
+        self._thread = thread if thread is not None else ThreadPoolExecutor(1, thread_name_prefix="bmoe-replay")
 
     async def decode(
         self,
@@ -77,4 +119,5 @@ class ComputeStage:
             raise
 
     def close(self) -> None:
-        self._thread.shutdown(wait=True)
+        if self._own:
+            self._thread.shutdown(wait=True)
