@@ -108,7 +108,7 @@ class Report:
     ram_how: str
     verdict: str
     verdict_why: str
-    floor_bytes: int  # what the process needs beside dense + experts (the budget model's needs)
+    floor_bytes: int  # what the process needs beside dense + one token's experts (others, and a prompt layer's union beyond them)
     auto_budget_bytes: int
     auto_budget_how: str
     open_mode: str  # what a streamed run's --open-mode auto picks on this machine
@@ -180,8 +180,11 @@ def inspect_model(path: str | os.PathLike[str], *, ram_bytes: int | None = None,
     needs = Needs(dense=dense, buffers=0, code=0,
                   transient=transient_bytes(layout.n_expert, layout.n_expert_used, 512, max(entry.values())),
                   interpreter=INTERPRETER_GROWTH, margin=margin_bytes(mem_total))
-    floor = needs.total - dense
-    if dense + bank + layout.skipped_bytes + floor <= ram_bytes:
+    others = needs.total - dense
+    # Streaming needs one token's experts, or a prompt layer's union where that is more: the cache
+    # pins it whole (the budget model holds it inside the cache, never beside it).
+    floor = others + max(0, needs.transient - ws)
+    if dense + bank + layout.skipped_bytes + others <= ram_bytes:
         verdict, why = "resident", "dense + every expert fit beside what else the process needs: no streaming needed"
     elif dense + ws + floor <= ram_bytes:
         verdict, why = "streamed", "the dense part and one token's experts fit, the expert bank does not"

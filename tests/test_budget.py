@@ -24,7 +24,7 @@ from bmoe.synth.tiny import TinySpec
 
 GiB = 1 << 30
 NEEDS = Needs(dense=500 * MiB, buffers=300 * MiB, code=100 * MiB, transient=340 * MiB,
-              interpreter=64 * MiB, margin=700 * MiB)  # 2004 MiB in all
+              interpreter=64 * MiB, margin=700 * MiB)  # 1664 MiB besides the cache, whose budget holds the union
 
 
 def resolve(requested: int | None, available: int = 8 * GiB, **kw: object):  # noqa: ANN201
@@ -36,12 +36,23 @@ def resolve(requested: int | None, available: int = 8 * GiB, **kw: object):  # n
 def test_auto_gives_the_cache_what_every_other_need_leaves() -> None:
     b = resolve(None)
     assert b.bytes == b.fit_bytes == 8 * GiB - NEEDS.total
-    for term in ("500 MiB dense", "300 MiB KV + compute", "100 MiB code", "340 MiB prefill union",
+    for term in ("500 MiB dense", "300 MiB KV + compute", "100 MiB code", "340 MiB prefill union is held inside",
                  "64 MiB interpreter", "700 MiB margin"):
         assert term in b.how, f"{term!r} missing from {b.how!r}"
     assert resolve(None, expert_bank_bytes=1 * GiB).bytes == 1 * GiB, "never more than the bank"
     assert resolve(None, ceiling=2 * GiB).bytes == 2 * GiB
     assert resolve(None, available=NEEDS.total - 1).bytes == 0, "nothing spare: cache off, not negative"
+
+
+def test_the_prefill_union_is_held_inside_the_budget_and_must_fit_there() -> None:
+    """A layer's union is pinned while the cache evicts everything else for it: the experts take
+    the larger of budget and union, so the union is not added to the budget, but it must fit."""
+    assert NEEDS.total == 1664 * MiB
+    assert resolve(None).bytes == 8 * GiB - 1664 * MiB, "not 340 MiB less for the union"
+    assert resolve(None, available=NEEDS.total + 340 * MiB).bytes == 340 * MiB, "room for the union: the cache has it"
+    assert resolve(None, available=NEEDS.total + 339 * MiB).bytes == 0, "the union alone does not fit: cache off"
+    with pytest.raises(BudgetError, match="does not fit"):
+        resolve(100 * MiB, available=NEEDS.total + 339 * MiB)
 
 
 def test_a_fixed_budget_that_cannot_fit_is_refused_with_the_figure_that_would() -> None:

@@ -4,9 +4,11 @@ The cache may have what the machine can spare once everything else the process n
 (``Needs``): the dense weights while they live in a file mapping (the page cache counts them as
 available, yet they must stay), llama.cpp's KV cache and compute buffers still to be touched (their
 address space is allocated when the context is made, the pages come on first use), the
-interpreter's growth, the page cache of the code the process runs from, the prefill's transient
-union (a long prompt routes a layer to nearly every expert, all pinned at once), and a margin for
-the kernel and other programs. ``resolve_budget`` gives ``auto`` that figure, clamped to the whole
+interpreter's growth, the page cache of the code the process runs from, and a margin for the
+kernel and other programs. The prefill's transient union (a long prompt routes a layer to nearly
+every expert, all pinned at once) is held inside the budget: the cache evicts everything else to
+make room for it, so the experts take ``max(budget, union)`` and the union only has to fit too, not
+be added. ``resolve_budget`` gives ``auto`` that figure, clamped to the whole
 expert bank (a bigger cache is never filled) and to a ceiling; a fixed budget that does not fit
 is refused with the figure that would fit, or only warned about when forced. Below one token's
 working set a cache that cycles through the layers in order (LRU) hits nothing at all: such a
@@ -56,7 +58,15 @@ class Needs:
 
     @property
     def total(self) -> int:
-        return self.dense + self.buffers + self.code + self.transient + self.interpreter + self.margin
+        """Everything but the prefill union, which the cache's budget holds (``room``)."""
+        return self.dense + self.buffers + self.code + self.interpreter + self.margin
+
+    def room(self, mem_available: int) -> int:
+        """The most the expert cache may take: what the other needs leave, if the prefill union
+        fits in it too (a layer's union is pinned while the cache evicts everything else, so the
+        experts take the larger of the two), else nothing."""
+        left = mem_available - self.total
+        return left if left >= self.transient else 0
 
     @property
     def kept_pages(self) -> int:
@@ -65,9 +75,9 @@ class Needs:
 
     def describe(self) -> str:
         parts = (("dense in the file mapping", self.dense), ("KV + compute buffers untouched", self.buffers),
-                 ("code", self.code), ("prefill union", self.transient), ("interpreter", self.interpreter),
-                 ("margin", self.margin))
-        return " - ".join(f"{n / MiB:.0f} MiB {what}" for what, n in parts)
+                 ("code", self.code), ("interpreter", self.interpreter), ("margin", self.margin))
+        return (" - ".join(f"{n / MiB:.0f} MiB {what}" for what, n in parts)
+                + f" (the {self.transient / MiB:.0f} MiB prefill union is held inside the cache)")
 
 
 def transient_bytes(n_expert: int, n_expert_used: int, n_batch: int, max_entry_bytes: int) -> int:
@@ -99,7 +109,7 @@ def resolve_budget(
     force: bool = False,
 ) -> Budget:
     """``requested`` None means auto; an explicit number (0 = cache off) must fit, unless forced."""
-    fit = max(0, mem_available - needs.total)
+    fit = needs.room(mem_available)
     model = f"{mem_available / MiB:.0f} MiB available - {needs.describe()} = {fit / MiB:.0f} MiB"
     warning = None
     if requested is not None:
