@@ -164,6 +164,66 @@ def test_resident_routings_are_served_in_c_and_the_cache_sees_them_in_order(
         assert with_c == with_python
 
 
+def _unseen_run(path, monkeypatch: pytest.MonkeyPatch, *, poison: bool = False, hold_one_back: bool = False):  # noqa: ANN001, ANN202
+    """Tokens of the second of two generations on a cache that holds every expert, the hits the
+    C filter let pass unseen during it, and its hit count. ``poison``: layer 0's first expert
+    projection is overwritten with NaNs after the first generation (the map still says resident);
+    ``hold_one_back``: layer 0's map says one expert is missing (it is not: pages stay)."""
+    from bmoe.pipeline.boundary import UnseenHits
+
+    unseen: list[int] = []
+    drain = node_filter.NodeFilter.drain
+
+    def spying(self):  # noqa: ANN001, ANN202
+        out = drain(self)
+        unseen.extend(x.count for x in out if isinstance(x, UnseenHits))
+        return out
+
+    monkeypatch.setattr(node_filter.NodeFilter, "drain", spying)
+
+    async def go():  # noqa: ANN202
+        with Session.open(path, RunConfig(mode="stream", n_ctx=256, cache_bytes=64 * MiB)) as s:
+            await s.generate(" ".join([PROMPT] * 6), N_TOKENS, stop_at_end=False)  # routes every expert
+            residency = s._streaming.residency  # noqa: SLF001 - the test reaches into the bytes
+            assert all(m.all() for m in residency.maps), "the first generation filled the cache"
+            if poison:
+                residency._regions[0, 0].fill(0xFF)  # noqa: SLF001
+            if hold_one_back:
+                residency.maps[0][SPEC.n_expert - 1] = False
+            unseen.clear()
+            g = await s.generate(PROMPT, N_TOKENS, stop_at_end=False)
+            return g.tokens, sum(unseen), g.stats.cache_hits
+
+    out = asyncio.run(go())
+    monkeypatch.undo()
+    return out
+
+
+def test_a_cache_holding_every_expert_lets_one_token_routings_pass_unseen(
+    tiny: TinyModels, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With every expert resident no routing can miss or evict, so llama.cpp is not asked to stop at
+    the routing nodes (no graph split, no bookkeeping); the hits still count, the tokens are
+    resident's, and while an expert is missing every routing is looked at again."""
+    path = tiny.path(SPEC)
+    if node_filter.node_filter(node_filter.EvalFn(lambda *_: False)) is None:
+        pytest.skip(f"no C filter here: {node_filter.unavailable}")
+    resident = tiny.resident_tokens(path)
+    tokens, unseen, hits = _unseen_run(path, monkeypatch)
+    assert tokens == resident
+    # Every call is one token: the prompt is a prefix of the first generation's, reused from the KV
+    # cache but for its last token, which is decoded again for its logits.
+    decode_steps = N_TOKENS
+    assert unseen == decode_steps * SPEC.n_layer * SPEC.n_expert_used, "every one-token routing went unseen"
+    assert hits >= unseen, "and every one counted as a hit"
+    tokens, partial, _ = _unseen_run(path, monkeypatch, hold_one_back=True)
+    assert tokens == resident
+    # One expert short, the routings are looked at (and planned) until a read makes the cache whole.
+    assert partial < unseen and partial % (SPEC.n_layer * SPEC.n_expert_used) == 0
+    poisoned, _, _ = _unseen_run(path, monkeypatch, poison=True)  # negative control
+    assert poisoned != resident, "the unseen layers compute on bmoe's bytes: a bad expert shows"
+
+
 def _noop_run(path, monkeypatch: pytest.MonkeyPatch, scale: float | None = None, mute: bool = True):  # noqa: ANN001, ANN202
     """Greedy tokens of a streamed user-open run and the no-op nodes it muted. ``scale``: the
     filled per-expert down scales are overwritten with it after the open (the filter still takes

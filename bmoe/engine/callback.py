@@ -129,6 +129,9 @@ class EvalCallback:
         # Expert-major prefill (set by the session when the model and the run allow it).
         self.expert_major: ExpertMajor | None = None
         self._em_active = False  # this decode call runs expert-major
+        # Whether every routing must reach the cache's policy even when the cache holds every
+        # expert (a run that saves what the policy learned); else such routings go unseen.
+        self.see_routing = False
 
     def stream(self, gate: RoutingGate) -> None:
         """Start streaming through ``gate``, in the modes it was made with (once per callback)."""
@@ -166,6 +169,10 @@ class EvalCallback:
         if active != self._em_active or self.gate.native is not None:
             self._em_active = active
             self._narrow()  # also turns the C routing back on after an abort turned it off
+        if self.gate.native is not None:
+            # Every expert resident: no routing can miss or evict, so none needs to be seen.
+            self.node_filter.set_unseen(self.see_routing is False and n_tokens == 1  # type: ignore[union-attr]
+                                        and all(m.all() for m in self.gate.fast_path.resident))
 
     def after_decode(self) -> None:
         """Called after each ``llama_decode``: expert-major puts every muted op back, and raises

@@ -42,6 +42,7 @@ import numpy as np
 from bmoe.io.ggml import DATA_OFFSET, NAME_OFFSET, NE_OFFSET, OP_OFFSET, SRC_OFFSET
 from bmoe.io.ggml_ffn import op_code
 from bmoe.io.probe import cache_dir
+from bmoe.pipeline.boundary import FastHit, UnseenHits
 
 _SOURCE = r"""
 #include <stdbool.h>
@@ -73,6 +74,12 @@ struct bmoe_node_filter {
     const uint64_t * zeros;
     int32_t n_ones, n_zeros, skip, op_mul, op_add, op_none, op_repeat, op_rows, op_reshape, op_view;
     int64_t skipped;     /* nodes muted so far (their chains not counted) */
+    /* Unseen routing: while the cache holds every expert (Python sets ``unseen`` per decode), a
+       one-token routing node whose layer is wholly resident is not asked for, so llama.cpp does
+       not split the graph there; its k hits are counted, its routing is not looked at. */
+    int32_t unseen;
+    int32_t pad2;
+    int64_t unseen_hits;
 };
 
 static int bmoe_in(const uint64_t * set, int32_t n, uint64_t p) {
@@ -146,6 +153,21 @@ static bool bmoe_fast_route(struct bmoe_node_filter * f, const char * node, cons
     return true;
 }
 
+static bool bmoe_layer_whole(struct bmoe_node_filter * f, const char * node, const char * name) {
+    int64_t k, rows;
+    int layer = atoi(name + 13);  /* "ffn_moe_topk-<il>" */
+    memcpy(&k, node + BMOE_NE_OFFSET, sizeof k);
+    memcpy(&rows, node + BMOE_NE_OFFSET + 8, sizeof rows);
+    if (rows != 1 || k <= 0 || layer < 0 || layer >= f->n_layers || !f->resident[layer]) {
+        return false;
+    }
+    if (memchr(f->resident[layer], 0, (size_t) f->n_expert) != NULL) {
+        return false;
+    }
+    f->unseen_hits += k;
+    return true;
+}
+
 bool bmoe_node_filter(void * node, bool ask, void * data) {
     struct bmoe_node_filter * f = (struct bmoe_node_filter *) data;
     if (ask && f->skip) {
@@ -164,7 +186,7 @@ bool bmoe_node_filter(void * node, bool ask, void * data) {
             return false;
         }
         if (ask) {
-            return true;
+            return !(f->fast && f->unseen && bmoe_layer_whole(f, (const char *) node, name));
         }
         if (f->fast && bmoe_fast_route(f, (const char *) node, name)) {
             return true;
@@ -187,7 +209,8 @@ class _FilterData(ctypes.Structure):
                 ("ones", ctypes.POINTER(ctypes.c_uint64)), ("zeros", ctypes.POINTER(ctypes.c_uint64)),
                 *((f, ctypes.c_int32) for f in ("n_ones", "n_zeros", "skip", "op_mul", "op_add", "op_none",
                                                   "op_repeat", "op_rows", "op_reshape", "op_view")),
-                ("skipped", ctypes.c_int64)]
+                ("skipped", ctypes.c_int64), ("unseen", ctypes.c_int32), ("pad2", ctypes.c_int32),
+                ("unseen_hits", ctypes.c_int64)]
 
 
 class NodeFilter:
@@ -259,16 +282,26 @@ class NodeFilter:
         an abort turns it off so the next routing reaches Python, which stops the graph."""
         self._data.fast = 1 if on and self._data.log_cap else 0
 
-    def drain(self) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    def set_unseen(self, on: bool) -> None:
+        """While on, a one-token routing whose layer is wholly resident is not asked for (no graph
+        split there, no log: ``drain`` reports its hits as ``UnseenHits``). For a cache that holds
+        every expert, where no routing can change what is resident. Call it while no decode runs."""
+        self._data.unseen = 1 if on else 0
+
+    def drain(self) -> list[FastHit | UnseenHits]:
         """The routings served in C since the last drain, in order: (layer, experts sorted by
-        id, each one's rank), as ``routed_set`` gives them. Call it when no decode runs, or on the
-        compute thread itself."""
+        id, each one's rank), as ``routed_set`` gives them, then the hits of the routings let
+        pass unseen, if any. Call it when no decode runs, or on the compute thread itself."""
+        out: list[FastHit | UnseenHits] = []
+        unseen = self._data.unseen_hits
+        if unseen:
+            self._data.unseen_hits = 0
+            out.append(UnseenHits(int(unseen)))
         n = self._data.log_len
         if not n:
-            return []
+            return out
         log = self._log[:n].copy()
         self._data.log_len = 0
-        out = []
         i = 0
         while i < n:
             layer, k = int(log[i]), int(log[i + 1])

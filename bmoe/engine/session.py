@@ -210,6 +210,7 @@ class Session:
                     callback.expert_major = ExpertMajor(
                         streamer.gate, expert_layers, config.threads, _group_size(layout, streamer.cache),
                     )
+                callback.see_routing = bool(config.cache_profile)  # the profile saves what the policy saw
                 callback.stream(streamer.gate)
             if config.dense_weights == "anon":
                 dense = _anon_dense(layout, opened, model, config)

@@ -107,6 +107,15 @@ SERIAL = ComputeModes()  # wait for a layer's every byte at routing; nothing obs
 FastHit: TypeAlias = tuple[int, np.ndarray, np.ndarray]
 
 
+class UnseenHits(NamedTuple):
+    """Hits of one-token routings nobody looked at: while the cache holds every expert, the C
+    filter does not ask for a wholly resident layer's routing, so llama.cpp computes on without
+    splitting its graph there (``NodeFilter.set_unseen``). Counted as hits; the policy is not told,
+    as nothing can be evicted for room until the budget falls below the bank."""
+
+    count: int
+
+
 class FastPath(NamedTuple):
     """What the gate's fast path shares with the loop, without a hop.
 
@@ -117,7 +126,7 @@ class FastPath(NamedTuple):
     (``PrefetchStage.account_fast_hits``), so the cache sees one plan per routed layer."""
 
     resident: list[np.ndarray]
-    hits: deque[FastHit]
+    hits: deque[FastHit | UnseenHits]
 
     @classmethod
     def over(cls, resident: list[np.ndarray]) -> FastPath:

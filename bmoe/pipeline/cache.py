@@ -124,6 +124,11 @@ class ExpertCache:
         self.misses += len(misses)
         return Plan(layer, hits, misses, evicted)
 
+    def count_unseen(self, hits: int) -> None:
+        """Hits of routings served while every expert was resident and nobody looked at which
+        (``UnseenHits``): counted, nothing planned, the policy not told."""
+        self.hits += hits
+
     def speculate(self, entry: Entry, protect: set[Entry]) -> tuple[bool, tuple[Entry, ...]]:
         """Admit an entry read ahead of need, if room can be made without touching ``protect``
         (the layer being served and the other read-ahead candidates). The budget holds: nothing is

@@ -18,7 +18,7 @@ from typing import Protocol
 import numpy as np
 
 from bmoe.errors import DecodeAbortedError
-from bmoe.pipeline.boundary import SERIAL, ComputeModes, FastHit, FastPath
+from bmoe.pipeline.boundary import SERIAL, ComputeModes, FastHit, FastPath, UnseenHits
 from bmoe.pipeline.channel import Channel
 from bmoe.pipeline.events import (
     PHASE_DECODE,
@@ -34,9 +34,11 @@ class NativeRouting(Protocol):
     routing of resident experts itself and logs it; the gate drains the log into its fast-path
     hits before any routing of its own, so the cache sees every routing in order."""
 
-    def drain(self) -> list[FastHit]: ...
+    def drain(self) -> list[FastHit | UnseenHits]: ...
 
     def set_fast(self, on: bool) -> None: ...
+
+    def set_unseen(self, on: bool) -> None: ...
 
 
 class RoutingGate:

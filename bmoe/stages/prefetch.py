@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from bmoe.pipeline.boundary import SERIAL, ComputeModes, FastHit
+from bmoe.pipeline.boundary import SERIAL, ComputeModes, FastHit, UnseenHits
 from bmoe.pipeline.cache import ExpertCache, Plan
 from bmoe.pipeline.channel import Channel
 from bmoe.pipeline.events import (
@@ -37,7 +37,7 @@ class PrefetchStage:
         cache: ExpertCache,
         residency: Residency,
         board: ReadinessBoard,
-        fast_hits: deque[FastHit],
+        fast_hits: deque[FastHit | UnseenHits],
         hooks: Hooks,
         modes: ComputeModes = SERIAL,
         between_layers: Callable[[], None] | None = None,
@@ -111,7 +111,11 @@ class PrefetchStage:
         cache sees one plan per routed layer, exactly as a replay of the same routing does."""
         fast = self._fast_hits
         while fast:
-            layer, experts, ranks = fast.popleft()
+            item = fast.popleft()
+            if isinstance(item, UnseenHits):
+                self._cache.count_unseen(item.count)
+                continue
+            layer, experts, ranks = item
             plan = self._plan(layer, tuple(experts.tolist()), tuple(ranks.tolist()))
             for e in plan.misses:
                 # The gate found it resident and the layer has computed on it, but the cache has
