@@ -169,10 +169,10 @@ class EvalCallback:
         if active != self._em_active or self.gate.native is not None:
             self._em_active = active
             self._narrow()  # also turns the C routing back on after an abort turned it off
-        if self.gate.native is not None:
+        nf = self.node_filter
+        if nf is not None and self.gate.native is not None:
             # Every expert resident: no routing can miss or evict, so none needs to be seen.
-            self.node_filter.set_unseen(self.see_routing is False and n_tokens == 1  # type: ignore[union-attr]
-                                        and all(m.all() for m in self.gate.fast_path.resident))
+            nf.set_unseen(not self.see_routing and n_tokens == 1 and all(m.all() for m in self.gate.fast_path.resident))
 
     def after_decode(self) -> None:
         """Called after each ``llama_decode``: expert-major puts every muted op back, and raises

@@ -128,15 +128,25 @@ static void bmoe_skip_noop(struct bmoe_node_filter * f, char * node) {
     f->skipped++;
 }
 
-static bool bmoe_fast_route(struct bmoe_node_filter * f, const char * node, const char * name) {
-    int64_t k, rows;
-    const int32_t * ids;
-    int layer = atoi(name + 13);  /* "ffn_moe_topk-<il>" */
-    memcpy(&k, node + BMOE_NE_OFFSET, sizeof k);
+/* The layer of a one-token routing node ("ffn_moe_topk-<il>") with a resident map, and its k;
+   -1 for any other shape or layer. */
+static int bmoe_one_token_layer(struct bmoe_node_filter * f, const char * node, const char * name, int64_t * k) {
+    int64_t rows;
+    int layer = atoi(name + 13);
+    memcpy(k, node + BMOE_NE_OFFSET, sizeof *k);
     memcpy(&rows, node + BMOE_NE_OFFSET + 8, sizeof rows);
+    if (rows != 1 || layer < 0 || layer >= f->n_layers || !f->resident[layer] || *k <= 0) {
+        return -1;
+    }
+    return layer;
+}
+
+static bool bmoe_fast_route(struct bmoe_node_filter * f, const char * node, const char * name) {
+    int64_t k;
+    const int32_t * ids;
+    int layer = bmoe_one_token_layer(f, node, name, &k);
     memcpy(&ids, node + BMOE_DATA_OFFSET, sizeof ids);
-    if (rows != 1 || layer < 0 || layer >= f->n_layers || !f->resident[layer] || k <= 0
-        || f->log_len + 2 + k > f->log_cap) {
+    if (layer < 0 || f->log_len + 2 + k > f->log_cap) {
         return false;
     }
     const uint8_t * res = f->resident[layer];
@@ -154,14 +164,9 @@ static bool bmoe_fast_route(struct bmoe_node_filter * f, const char * node, cons
 }
 
 static bool bmoe_layer_whole(struct bmoe_node_filter * f, const char * node, const char * name) {
-    int64_t k, rows;
-    int layer = atoi(name + 13);  /* "ffn_moe_topk-<il>" */
-    memcpy(&k, node + BMOE_NE_OFFSET, sizeof k);
-    memcpy(&rows, node + BMOE_NE_OFFSET + 8, sizeof rows);
-    if (rows != 1 || k <= 0 || layer < 0 || layer >= f->n_layers || !f->resident[layer]) {
-        return false;
-    }
-    if (memchr(f->resident[layer], 0, (size_t) f->n_expert) != NULL) {
+    int64_t k;
+    int layer = bmoe_one_token_layer(f, node, name, &k);
+    if (layer < 0 || memchr(f->resident[layer], 0, (size_t) f->n_expert) != NULL) {
         return false;
     }
     f->unseen_hits += k;

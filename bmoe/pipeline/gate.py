@@ -38,8 +38,6 @@ class NativeRouting(Protocol):
 
     def set_fast(self, on: bool) -> None: ...
 
-    def set_unseen(self, on: bool) -> None: ...
-
 
 class RoutingGate:
     """``modes`` fixes, for the gate's life, where routing waits and what observes it;
