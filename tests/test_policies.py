@@ -254,3 +254,61 @@ def test_the_default_computes_no_keys_while_nothing_is_evicted(replay: Replays, 
     assert cache.misses == misses and not calls
     policy.keys()  # asked for, the keys come
     assert calls
+
+
+def _one_pass_replay(events, expert_bytes, budget: int, one_pass: bool) -> tuple[list, ExpertCache, int]:
+    """Replay as the engine does: a layer whose experts are all resident at its routing is served
+    by the fast path and planned at the next plan or the step's end; with ``one_pass`` those runs
+    go through ``serve_resident``, else one ``plan`` each."""
+    import numpy as np
+
+    policy = AdaptiveReusePolicy()
+    cache = ExpertCache(budget, expert_bytes, policy)
+    waiting: list[tuple[int, np.ndarray]] = []
+    log: list = []
+    passes = 0
+
+    def account() -> None:
+        nonlocal passes
+        if waiting and one_pass and cache.serve_resident(waiting):
+            passes += 1
+            log.extend(() for _ in waiting)  # all hits: no plan of the run evicts
+        else:
+            for layer, ids in waiting:
+                plan = cache.plan(layer, tuple(ids.tolist()))
+                log.append(plan.evictions)
+        waiting.clear()
+
+    for ev in events:
+        if all(cache.is_resident(ev.layer, e) for e in ev.experts) and ev.layer not in {w[0] for w in waiting}:
+            waiting.append((ev.layer, np.array(sorted(ev.experts), dtype=np.int32)))
+        else:
+            account()
+            log.append(cache.plan(ev.layer, ev.experts).evictions)
+        if ev.ends_call:
+            account()
+            log.append(cache.trim())
+    return log, cache, passes
+
+
+@needs_shared
+@pytest.mark.parametrize("mib", [2000, 1 << 20])
+def test_a_run_of_all_hit_layers_taken_in_one_pass_leaves_the_default_as_one_plan_each(replay: Replays, mib: int) -> None:
+    """At a step's end the fast path's hits (a token's layers, all resident) go to the policy in
+    one pass (``served``): the same evictions, hits and model as one plan per layer, on the shared
+    trace at a budget that evicts throughout and at one that holds everything."""
+    import numpy as np
+
+    events = replay.events[:6000]
+    ref_log, ref, _ = _one_pass_replay(events, replay.trace.expert_bytes, mib * MiB, one_pass=False)
+    log, cache, passes = _one_pass_replay(events, replay.trace.expert_bytes, mib * MiB, one_pass=True)
+    assert passes > (5 if mib < 10000 else 100)  # the one pass was taken, not always refused
+    assert log == ref_log
+    assert (cache.hits, cache.misses, cache.evictions) == (ref.hits, ref.misses, ref.evictions)
+    a, b = cache.policy, ref.policy
+    assert np.array_equal(a.keys(), b.keys()) and np.array_equal(a._order, b._order)
+    assert np.array_equal(a._rates, b._rates) and np.array_equal(a._weights, b._weights)
+    assert (a._bytes_at, a._seen_bytes, a._pos, a.memory_steps) == (b._bytes_at, b._seen_bytes, b._pos, b.memory_steps)
+    for sa, sb in ((a._free, b._free), (a._guarded, b._guarded)):
+        assert (sa.score, sa.bytes) == (sb.score, sb.bytes) and np.array_equal(sa.resident, sb.resident)
+    assert np.array_equal(a._recent, b._recent)

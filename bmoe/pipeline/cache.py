@@ -14,6 +14,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from bmoe.errors import BudgetError
 
 Entry = tuple[int, int]  # (layer, expert)
@@ -32,7 +34,10 @@ class EvictionPolicy(Protocol):
     - ``routed(layer, experts, ranks)``: first thing in every ``plan``, with the layer's routed
       set (a position in the layer cycle, the current layer's pinned set) and, when known, each
       expert's best router rank (0 = the highest weight; None when the caller has none);
-    - ``step_end()``: at each ``trim``, i.e. between llama_decode calls.
+    - ``step_end()``: at each ``trim``, i.e. between llama_decode calls;
+    - ``served(visits)``: a run of (layer, routed ids) whose every entry is resident, to be taken
+      as ``routed`` then ``used`` of each, in order; True when it did, False (nothing changed)
+      when it cannot do so exactly (``ExpertCache.serve_resident``).
     """
 
     name: str
@@ -72,6 +77,7 @@ class ExpertCache:
         self._routed = getattr(policy, "routed", _noop)
         self._step_end = getattr(policy, "step_end", _noop)
         self._configure = getattr(policy, "configure", _noop)
+        self._served = getattr(policy, "served", None)
         self._configure(budget_bytes, self._entry_bytes)
         self._resident: set[Entry] = set()
         # Read ahead of need and not used yet, oldest first, outside the policy. An entry is
@@ -123,6 +129,26 @@ class ExpertCache:
         self.hits += len(hits)
         self.misses += len(misses)
         return Plan(layer, hits, misses, evicted)
+
+    def serve_resident(self, visits: Sequence[tuple[int, np.ndarray]]) -> bool:
+        """Plan a run of routings in one pass where that is exactly what one ``plan`` each would
+        do: every entry resident, nothing read ahead waiting for its layer, no room to make, and a
+        policy that takes the run at once (``served``). ``visits``: (layer, routed ids). Each such
+        plan is all hits and evicts nothing, so there is nothing to return. False, with nothing
+        done, otherwise: then plan them one by one."""
+        served = self._served
+        if served is None or self._ahead or self.resident_bytes > self.budget_bytes:
+            return False
+        resident = self._resident
+        n = 0
+        for layer, ids in visits:
+            if not resident.issuperset([(layer, e) for e in ids.tolist()]):
+                return False
+            n += ids.size
+        if not served(visits):
+            return False
+        self.hits += n
+        return True
 
     def count_unseen(self, hits: int) -> None:
         """Hits of routings served while every expert was resident and nobody looked at which

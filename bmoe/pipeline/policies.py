@@ -512,6 +512,81 @@ class AdaptiveReusePolicy(ExpectedReusePolicy):
             for shadow in (self._free, self._guarded):
                 shadow.plan(row, ids, self, self._budget, self.memory_steps)
 
+    def served(self, visits: Sequence[tuple[int, np.ndarray]]) -> bool:
+        """A run of routings whose every entry the cache held (the fast path's hits, accounted at
+        a step's end), taken in one pass: the same state as ``routed`` then ``used`` of each, in
+        order (``used`` does nothing here). With every expert cached this is the whole per-token
+        cost of streaming, and one-by-one calls spent 0.6 ms a token of the 100 in Python.
+
+        False, with nothing changed, where the pass could differ from the one-by-one calls: a
+        layer not seen yet or twice in the run, an expert beyond the tables, an empty set, or a
+        shadow that would have to evict (its victims depend on the keys as of that visit)."""
+        if not visits or self._held:
+            return False
+        layers = self._layers
+        if self._keys.shape != self._order.shape:
+            return False
+        rows: list[int] = []
+        for layer, _ in visits:
+            st = layers.get(layer)
+            if st is None:
+                return False
+            rows.append(st.row)
+        sizes = [int(ids.size) for _, ids in visits]
+        if len(set(rows)) != len(rows) or 0 in sizes:
+            return False
+        cat = np.concatenate([ids for _, ids in visits]).astype(np.intp, copy=False)
+        if int(cat.max()) >= self._order.shape[1]:
+            return False
+        at_rows = np.repeat(np.asarray(rows, dtype=np.intp), sizes)
+        budget = self._budget
+        shadow_hits: list[list[int]] = []
+        if budget is not None:
+            starts = np.cumsum([0, *sizes[:-1]])
+            for shadow in (self._free, self._guarded):
+                if shadow.resident.shape != self._keys.shape:
+                    return False
+                hits = np.add.reduceat(shadow.resident[at_rows, cat], starts, dtype=np.int64).tolist()
+                grown = sum((n - h) * float(self._row_bytes[r]) for n, h, r in zip(sizes, hits, rows))
+                if shadow.bytes + grown > budget:
+                    return False
+                shadow_hits.append(hits)
+        # Committed: the one-by-one calls' effects, in their order where order matters.
+        pos, minr, step = self._pos, self._min_routed, self._step
+        memory, guard = self.memory_steps, self._guard
+        at, olds, nbytes = self._bytes_at, [], []
+        for (layer, ids), row, n in zip(visits, rows, sizes):
+            ids = ids.astype(np.intp, copy=False)
+            pos += 1
+            minr = min(minr, n)
+            self._pending.append((row, ids, min(1.0, minr / n)))
+            st = layers[layer]
+            olds.append(st.last_step[ids])
+            st.last_step[ids] = step
+            nbytes.append(self._entry_bytes.get(layer, 0))
+            self._stale[row] = _StaleRow(pos, memory, float(minr), guard, ids)
+        self._pos, self._min_routed = pos, minr
+        # The cache memory T's bookkeeping (``_note_use``): integer bytes, so any order sums the same.
+        old = np.concatenate(olds)
+        weight = np.repeat(np.asarray(nbytes, dtype=np.int64), sizes)
+        fresh = old < 0
+        self._seen_bytes += int(weight[fresh].sum())
+        if not fresh.all():
+            steps, where = np.unique(old[~fresh], return_inverse=True)
+            moved = np.bincount(where, weights=weight[~fresh]).astype(np.int64)
+            for s, b in zip(steps.tolist(), moved.tolist()):
+                at[s] -= b
+        at[step] += int(weight.sum())
+        self._recent[rows] = False
+        self._recent[at_rows, cat] = True
+        if budget is not None:
+            for shadow, hits in zip((self._free, self._guarded), shadow_hits):
+                for n, h, r in zip(sizes, hits, rows):  # one add per visit: the score is a float
+                    shadow.score += h
+                    shadow.bytes += (n - h) * self._row_bytes[r]
+                shadow.resident[at_rows, cat] = True
+        return True
+
     def admitted(self, entry: Entry) -> None:
         layer, e = entry
         row = self._admit(layer, e).row
@@ -592,11 +667,15 @@ class AdaptiveReusePolicy(ExpectedReusePolicy):
         explain what it routed, then the rates decay and take the use."""
         rows = np.fromiter((r for r, _, _ in wave), dtype=np.intp, count=len(wave))
         width = self._rates.shape[2]
+        sizes = [ids.size for _, ids, _ in wave]
+        at_rows = np.repeat(np.arange(rows.size), sizes)
+        cat = np.concatenate([ids for _, ids, _ in wave]) if at_rows.size else np.zeros(0, np.intp)
         routed = np.zeros((rows.size, width))
-        for i, (_, ids, _) in enumerate(wave):
-            routed[i, ids] = 1.0
+        routed[at_rows, cat] = 1.0
         count = routed.sum(axis=1)
-        rates = self._rates[rows]
+        # A token's wave visits every row in order: update the tables in place (no gather, no scatter).
+        whole = rows.size == self._rates.shape[0] and bool((rows == np.arange(rows.size)).all())
+        rates = self._rates if whole else self._rates[rows]
         dist = _normalise(rates)
         learn = (count > 0) & (self._visits[rows] > 0)
         if learn.any():
@@ -613,8 +692,10 @@ class AdaptiveReusePolicy(ExpectedReusePolicy):
         self._visits[rows] += 1
         gain = np.fromiter((g for _, _, g in wave), dtype=float, count=len(wave))
         rates *= self._keep3
-        rates += self._gain3 * (routed * gain[:, None])[:, None, :]
-        self._rates[rows] = rates
+        # Only the routed entries take a use (the rest would add 0.0): the same values, a tenth the work.
+        rates[at_rows, :, cat] += gain[at_rows][:, None] * self.ALPHAS[None, :]
+        if not whole:
+            self._rates[rows] = rates
 
     def _key_stale(self) -> None:
         """Key the stale rows as of their latest visits, and place their resident entries in the

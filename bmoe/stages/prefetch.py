@@ -108,21 +108,34 @@ class PrefetchStage:
 
     def account_fast_hits(self) -> None:
         """Plan the layers the routing gate served alone because all were resident, in order: the
-        cache sees one plan per routed layer, exactly as a replay of the same routing does."""
+        cache sees one plan per routed layer, exactly as a replay of the same routing does. A run
+        of distinct layers goes to the cache in one pass where it can take it so (a token's
+        worth of all-hit layers at a step's end), else one plan each."""
         fast = self._fast_hits
         while fast:
             item = fast.popleft()
             if isinstance(item, UnseenHits):
                 self._cache.count_unseen(item.count)
                 continue
-            layer, experts, ranks = item
-            plan = self._plan(layer, tuple(experts.tolist()), tuple(ranks.tolist()))
-            for e in plan.misses:
-                # The gate found it resident and the layer has computed on it, but the cache has
-                # evicted it since: no read follows a replayed plan, so it must not stay admitted
-                # (a later plan would take its slot, pages and all, for a hit).
-                self._cache.discard((layer, e))
-                self._residency.release(layer, e)
+            run, layers = [item], {item[0]}
+            while fast and not isinstance(fast[0], UnseenHits) and fast[0][0] not in layers:
+                run.append(fast.popleft())
+                layers.add(run[-1][0])
+            if self._cache.serve_resident([(layer, experts) for layer, experts, _ in run]):
+                for layer, experts, _ in run:
+                    routed = tuple(experts.tolist())
+                    self._last[layer] = routed
+                    if self._predictor is not None:
+                        self._predictor.score(layer, routed)
+                continue
+            for layer, experts, ranks in run:
+                plan = self._plan(layer, tuple(experts.tolist()), tuple(ranks.tolist()))
+                for e in plan.misses:
+                    # The gate found it resident and the layer has computed on it, but the cache
+                    # has evicted it since: no read follows a replayed plan, so it must not stay
+                    # admitted (a later plan would take its slot, pages and all, for a hit).
+                    self._cache.discard((layer, e))
+                    self._residency.release(layer, e)
 
     def _plan(self, layer: int, routed: tuple[int, ...], ranks: tuple[int, ...] | None = None) -> Plan:
         """Plan one routed layer, release what it evicts, and remember what it routed."""
