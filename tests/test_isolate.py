@@ -99,3 +99,37 @@ def test_isolation_can_be_turned_off(tiny, tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setenv(isolate.ENV_SWITCH, "0")
     assert isolate.check_first_open(read_layout(tiny.path(TinySpec())), memo=tmp_path / "memo.txt") is False
     assert not (tmp_path / "memo.txt").exists()
+
+
+_RESERVED_CHILD = r"""
+import sys
+from bmoe.engine import isolate, loader
+from bmoe.io.layout import read_layout
+
+layout = read_layout(sys.argv[1])
+short = loader.user_alloc_bytes(layout) + loader._MARGIN_MIN - 1  # one byte short for the user open
+loader.read_overcommit = lambda: 0
+loader.read_meminfo = lambda: {"MemTotal": short, "SwapTotal": 0, "CommitLimit": 0, "Committed_AS": 0}
+opened_with = loader.open_model
+def spy(*args, **kwargs):
+    opened = opened_with(*args, **kwargs)
+    print("open mode", opened.open_mode, flush=True)
+    return opened
+loader.open_model = spy
+sys.exit(isolate._child(sys.argv[1]))
+"""
+
+
+def test_the_test_open_of_a_model_past_ram_decodes_on_zeros_not_the_reservation(tmp_path: Path) -> None:
+    """A model past RAM + swap opens ``reserved``: its experts sit in a PROT_NONE reservation until
+    a session binds its regions. The first-open check decoded on that reservation and died of
+    SIGSEGV, so every such model was refused as a file llama.cpp kills; the child now reads zeros."""
+    from bmoe.synth.tiny import write_tiny
+
+    spec = TinySpec(arch="qwen3moe", wtype="f16", n_layer=4, n_embd=256, n_expert=32, n_ff=256)
+    path = write_tiny(tmp_path / "t.gguf", spec)[0]
+    env = os.environ | {isolate.ENV_SWITCH: "0", "GGML_NO_BACKTRACE": "1"}
+    proc = subprocess.run([sys.executable, "-c", _RESERVED_CHILD, str(path)], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert "open mode reserved" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])

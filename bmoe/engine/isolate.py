@@ -18,16 +18,19 @@ Run as ``python -m bmoe.engine.isolate SHARD1``: the child side.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from bmoe._version import __version__
 from bmoe.errors import ConfigError, ModelFileError
 from bmoe.io.layout import ModelLayout
+from bmoe.io.libc import libc
 
 ENV_SWITCH = "BMOE_ISOLATE"
 ENV_TIMEOUT = "BMOE_ISOLATE_TIMEOUT"
@@ -187,6 +190,7 @@ def _child(path: str) -> int:
     try:
         layout = read_layout(path)
         opened = open_model(layout, streaming=True, mode="auto")
+        zeros = _zero_experts(opened, layout) if opened.open_mode == "reserved" else []
         threads = len(os.sched_getaffinity(0))
         model = LlamaModel(opened, n_ctx=64, n_threads=threads, callback=EvalCallback(RoutingGate()), install=False)
         try:
@@ -198,10 +202,36 @@ def _child(path: str) -> int:
                 model.decode([token])
         finally:
             model.close()
+            for addr, length in zeros:
+                libc().munmap(addr, length)
     except BmoeError as e:
         print(f"bmoe: error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _zero_experts(opened: Any, layout: ModelLayout) -> list[tuple[int, int]]:
+    """Point a reserved open's expert tensors at zeros for the test decode. Their reservation is
+    ``PROT_NONE`` until a session binds its own regions, so a decode on them dies of SIGSEGV, and
+    every model past RAM + swap (the reason the reserved open exists) was refused as one llama.cpp
+    kills. Private read-only anonymous pages read as the kernel's zero page: no memory, no commit
+    charge, whatever the bank's size; the check is of llama.cpp's graph on this file, not of the
+    expert values. Returns the mappings to unmap after the model is freed."""
+    import mmap
+
+    from bmoe.errors import BudgetError
+    from bmoe.io.ggml import GgmlTensor
+
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000)
+    out: list[tuple[int, int]] = []
+    for key, addr in opened.expert_tensors(layout).items():
+        length = layout.experts[key].span.nbytes
+        start = libc().mmap(None, length, mmap.PROT_READ, flags, -1, 0)
+        if start in (None, ctypes.c_void_p(-1).value):
+            raise BudgetError(f"cannot map {length} bytes of zeros for the test decode's experts")
+        out.append((start, length))
+        GgmlTensor.from_address(addr).data = start
+    return out
 
 
 if __name__ == "__main__":
