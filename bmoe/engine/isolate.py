@@ -18,7 +18,6 @@ Run as ``python -m bmoe.engine.isolate SHARD1``: the child side.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import signal
@@ -30,7 +29,6 @@ from typing import Any
 from bmoe._version import __version__
 from bmoe.errors import ConfigError, ModelFileError
 from bmoe.io.layout import ModelLayout
-from bmoe.io.libc import libc
 
 ENV_SWITCH = "BMOE_ISOLATE"
 ENV_TIMEOUT = "BMOE_ISOLATE_TIMEOUT"
@@ -185,6 +183,7 @@ def _child(path: str) -> int:
     from bmoe.engine.seam import LlamaModel
     from bmoe.errors import BmoeError
     from bmoe.io.layout import read_layout
+    from bmoe.io.regions import unmap
     from bmoe.pipeline.gate import RoutingGate
 
     try:
@@ -203,7 +202,7 @@ def _child(path: str) -> int:
         finally:
             model.close()
             for addr, length in zeros:
-                libc().munmap(addr, length)
+                unmap(addr, length)
     except BmoeError as e:
         print(f"bmoe: error: {e}", file=sys.stderr)
         return 1
@@ -217,20 +216,14 @@ def _zero_experts(opened: Any, layout: ModelLayout) -> list[tuple[int, int]]:
     kills. Private read-only anonymous pages read as the kernel's zero page: no memory, no commit
     charge, whatever the bank's size; the check is of llama.cpp's graph on this file, not of the
     expert values. Returns the mappings to unmap after the model is freed."""
-    import mmap
-
-    from bmoe.errors import BudgetError
     from bmoe.io.ggml import GgmlTensor
+    from bmoe.io.regions import map_zeros
 
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000)
     out: list[tuple[int, int]] = []
     for key, addr in opened.expert_tensors(layout).items():
         length = layout.experts[key].span.nbytes
-        start = libc().mmap(None, length, mmap.PROT_READ, flags, -1, 0)
-        if start in (None, ctypes.c_void_p(-1).value):
-            raise BudgetError(f"cannot map {length} bytes of zeros for the test decode's experts")
-        out.append((start, length))
-        GgmlTensor.from_address(addr).data = start
+        out.append((map_zeros(length), length))
+        GgmlTensor.from_address(addr).data = out[-1][0]
     return out
 
 

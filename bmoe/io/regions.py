@@ -76,6 +76,21 @@ def release_pages(lo: int, hi: int) -> None:
     _check(libc().madvise(lo, hi - lo, mmap.MADV_DONTNEED), "madvise(MADV_DONTNEED)")
 
 
+def map_zeros(nbytes: int) -> int:
+    """Address of ``nbytes`` that read as zeros: private read-only anonymous pages all map the
+    kernel's zero page, so they cost no memory and (read-only) no commit charge, whatever the
+    size. Release with ``unmap``."""
+    start = libc().mmap(None, nbytes, mmap.PROT_READ, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+    if start in (None, _MAP_FAILED):
+        err = ctypes.get_errno()
+        raise BudgetError(f"cannot map {nbytes} bytes of zeros: {os.strerror(err)}")
+    return start
+
+
+def unmap(addr: int, nbytes: int) -> None:
+    _check(libc().munmap(addr, nbytes), "munmap")
+
+
 def move_pages(src: int, dst: int, nbytes: int) -> bool:
     """Move the pages of [src, src + nbytes) to dst (all page-aligned, private anonymous memory):
     dst's old pages are freed, src stays mapped and empty. False when the kernel refuses (no

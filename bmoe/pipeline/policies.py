@@ -552,31 +552,16 @@ class AdaptiveReusePolicy(ExpectedReusePolicy):
                     return False
                 shadow_hits.append(hits)
         # Committed: the one-by-one calls' effects, in their order where order matters.
-        pos, minr, step = self._pos, self._min_routed, self._step
+        pos, minr = self._pos, self._min_routed
         memory, guard = self.memory_steps, self._guard
-        at, olds, nbytes = self._bytes_at, [], []
         for (layer, ids), row, n in zip(visits, rows, sizes):
             ids = ids.astype(np.intp, copy=False)
             pos += 1
             minr = min(minr, n)
             self._pending.append((row, ids, min(1.0, minr / n)))
-            st = layers[layer]
-            olds.append(st.last_step[ids])
-            st.last_step[ids] = step
-            nbytes.append(self._entry_bytes.get(layer, 0))
+            self._note_use(layer, layers[layer], ids)
             self._stale[row] = _StaleRow(pos, memory, float(minr), guard, ids)
         self._pos, self._min_routed = pos, minr
-        # The cache memory T's bookkeeping (``_note_use``): integer bytes, so any order sums the same.
-        old = np.concatenate(olds)
-        weight = np.repeat(np.asarray(nbytes, dtype=np.int64), sizes)
-        fresh = old < 0
-        self._seen_bytes += int(weight[fresh].sum())
-        if not fresh.all():
-            steps, where = np.unique(old[~fresh], return_inverse=True)
-            moved = np.bincount(where, weights=weight[~fresh]).astype(np.int64)
-            for s, b in zip(steps.tolist(), moved.tolist()):
-                at[s] -= b
-        at[step] += int(weight.sum())
         self._recent[rows] = False
         self._recent[at_rows, cat] = True
         if budget is not None:

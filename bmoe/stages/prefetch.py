@@ -123,10 +123,7 @@ class PrefetchStage:
                 layers.add(run[-1][0])
             if self._cache.serve_resident([(layer, experts) for layer, experts, _ in run]):
                 for layer, experts, _ in run:
-                    routed = tuple(experts.tolist())
-                    self._last[layer] = routed
-                    if self._predictor is not None:
-                        self._predictor.score(layer, routed)
+                    self._remember(layer, tuple(experts.tolist()))
                 continue
             for layer, experts, ranks in run:
                 plan = self._plan(layer, tuple(experts.tolist()), tuple(ranks.tolist()))
@@ -141,10 +138,14 @@ class PrefetchStage:
         """Plan one routed layer, release what it evicts, and remember what it routed."""
         plan = self._cache.plan(layer, routed, ranks)
         self.evict(plan.evictions, [(layer, e) for e in plan.misses])
+        self._remember(layer, routed)
+        return plan
+
+    def _remember(self, layer: int, routed: tuple[int, ...]) -> None:
+        """What the layer routed, for read-ahead of its next visit and the predictor's score."""
         self._last[layer] = routed
         if self._predictor is not None:
             self._predictor.score(layer, routed)
-        return plan
 
     def evict(self, entries: tuple[tuple[int, int], ...], admitted: Sequence[tuple[int, int]] = ()) -> None:
         """Evict ``entries`` and make way for ``admitted``, the entries about to be read: evicted
