@@ -44,6 +44,9 @@ class RunConfig:
     # Shrink the cache when memory pressure appears while running, grow it back when it clears
     # (bmoe.pipeline.pressure). Only with a cache.
     pressure_guard: bool = True
+    # Fault the cache's pages in from the open on, in a background thread, so that a fresh
+    # cache's first misses land in pages already present (bmoe.io.regions.WarmPool).
+    warm_pool: bool = True
     cache_policy: str = "default"  # a name in bmoe.pipeline.policies.POLICIES; "lru" is the baseline
     # Seed the cache policy from this profile at open (if the file exists) and save what the run
     # learned to it at close (bmoe.pipeline.profile); streamed runs with a cache only.

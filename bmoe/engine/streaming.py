@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from bmoe.engine.config import RunConfig
@@ -21,7 +22,7 @@ from bmoe.errors import BudgetError, ConfigError
 from bmoe.io.direct import ShardReader
 from bmoe.io.ggml import GgmlTensor
 from bmoe.io.layout import ModelLayout
-from bmoe.io.regions import map_count_limit
+from bmoe.io.regions import WarmPool, map_count_limit
 from bmoe.metrics.stats import Counters
 from bmoe.pipeline.boundary import SERIAL, ComputeModes, FastPath
 from bmoe.pipeline.budget import (
@@ -143,7 +144,16 @@ class StreamParts:
             if config.prewarm:
                 prewarm = tuple(prewarm_order(usage, layout.entry_bytes(), budget.bytes))
         cache = ExpertCache(budget.bytes, layout.entry_bytes(), policy)
-        residency = Residency(layout, tensors, recycle=recycling_fits(layout, budget.bytes), shared=budget.bytes == 0)
+        recycle = recycling_fits(layout, budget.bytes)
+        pool = None
+        if config.warm_pool and recycle and budget.bytes > 0:
+            pool = WarmPool(budget.bytes, lambda: cache.budget_bytes, lambda: cache.resident_bytes)
+        try:
+            residency = Residency(layout, tensors, recycle=recycle, shared=budget.bytes == 0, pool=pool)
+        except BaseException:
+            if pool is not None:
+                pool.close()
+            raise
         try:
             reader = open_reader(layout, config.odirect)
         except BaseException:
@@ -234,6 +244,19 @@ class Streamer:
             return
         self.budget_changes.append(replace(change, step=self.gate.step))
         self.prefetch.evict(self.cache.set_budget(change.new))
+
+    @contextmanager
+    def generating(self) -> Iterator[None]:
+        """A generation runs: the warm pool (if any) faults nothing in meanwhile."""
+        pool = getattr(self.residency, "pool", None)
+        if pool is None:
+            yield
+            return
+        pool.pause()
+        try:
+            yield
+        finally:
+            pool.resume()
 
     def set_budget(self, budget_bytes: int) -> None:
         """A new budget from the caller (between generations): also the guard's new ceiling."""

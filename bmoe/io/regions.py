@@ -18,6 +18,8 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
+from collections.abc import Callable
 from types import TracebackType
 
 from bmoe.errors import BudgetError, RegionError
@@ -175,3 +177,108 @@ class Region:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+class WarmPool:
+    """Pages faulted in ahead of need by a background thread, for a fresh cache's first misses.
+
+    A new session's cache has no evicted pages to recycle, so each expert its first prompt reads
+    lands in pages the kernel faults in and zeroes as the read copies. Under a VM that hands freed
+    memory back to its host that costs about 2 ms/MiB, more than the read (``docs/facts.md``), and
+    it sits on the first prompt's critical path. The pool faults pages in from the open on, while
+    the dense weights load and the prompt is typed or tokenized, and ``take`` hands them to expert
+    slots (``move_pages``, as an eviction's pages are handed on). It works only while the session
+    is idle (``pause`` while a generation runs): faulting beside a running prompt takes a core from
+    its compute and the memory locks from its reads, which measured slower than letting the reads
+    fault their own pages. So the head start is what the idle time before a request bought: none
+    for a prompt given at open, the whole budget for a chat's or a server's first request.
+
+    The pool is only ever a head start, never a condition of correctness: a slot given no pages,
+    or pages the pool has meanwhile released, faults its own in when the read lands. Its spare
+    pages plus what the cache holds (``used``) stay within the cache's budget (``budget``), both
+    read before every chunk; once the cache has filled (evictions supply pages from then on) or
+    the budget has shrunk below where it started (memory pressure), the spare is given back and
+    the thread ends.
+    """
+
+    CHUNK = 1 << 20  # faulted in per call: ~2 ms at worst, so close() never waits long
+    IDLE_S = 0.05  # between looks at the budget while the spare already fills it
+
+    def __init__(self, nbytes: int, budget: Callable[[], int], used: Callable[[], int]) -> None:
+        self.nbytes = align_up(max(nbytes, 0), _PAGE)
+        self._budget, self._used = budget, used
+        self._start = 0
+        self._taken = 0  # written by the taker only
+        self._ready = 0  # written by the pool's thread only: [taken, ready) is faulted in
+        self._done = self.nbytes == 0
+        self._stop = threading.Event()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread: threading.Thread | None = None
+        if self._done:
+            return
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+        start = libc().mmap(None, self.nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
+        if start in (None, _MAP_FAILED):
+            self._done = True  # no head start; the slots fault their own pages in
+            return
+        self._start = start
+        libc().madvise(start, self.nbytes, _MADV_NOHUGEPAGE)
+        self._thread = threading.Thread(target=self._fill, args=(budget(),), name="bmoe-warm-pool", daemon=True)
+        self._thread.start()
+
+    @property
+    def spare_bytes(self) -> int:
+        """Bytes faulted in and not taken yet (a reading; the thread may move it)."""
+        return 0 if self._done else max(0, self._ready - self._taken)
+
+    def pause(self) -> None:
+        """Fault nothing more in until ``resume`` (the chunk under way finishes, ~2 ms)."""
+        self._idle.clear()
+
+    def resume(self) -> None:
+        self._idle.set()
+
+    def take(self, nbytes: int) -> tuple[int, int]:
+        """(address, length) of up to ``nbytes`` of faulted-in pages, page-aligned; length 0 when
+        none are ready. The caller moves them away (``move_pages``) before the next take."""
+        if self._done:
+            return 0, 0
+        n = min(nbytes, self._ready - self._taken) // _PAGE * _PAGE
+        if n <= 0:
+            return 0, 0
+        addr = self._start + self._taken
+        self._taken += n
+        return addr, n
+
+    def _fill(self, start_budget: int) -> None:
+        while not self._stop.is_set() and self._taken < self.nbytes:
+            if not self._idle.wait(self.IDLE_S):
+                continue
+            budget, used = self._budget(), self._used()
+            if used >= budget or budget < start_budget:
+                break
+            if self._ready >= self.nbytes or self._ready - self._taken + used + self.CHUNK > budget:
+                self._stop.wait(self.IDLE_S)
+                continue
+            n = min(self.CHUNK, self.nbytes - self._ready)
+            # Written rather than MADV_POPULATE_WRITE: a write fault takes only its mapping's
+            # lock, where the madvise holds the process's mmap lock, which every page move and
+            # every O_DIRECT read of the cache's own misses then queue behind.
+            ctypes.memset(self._start + self._ready, 0, n)
+            self._ready += n
+        self._done = True
+        lo, hi = self._start + min(self._taken, self._ready), self._start + self._ready
+        if hi > lo:
+            libc().madvise(lo, hi - lo, mmap.MADV_DONTNEED)
+
+    def close(self) -> None:
+        """Stop the thread and unmap. Idempotent. Pages already moved away are their slots' own."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._start:
+            start, self._start = self._start, 0
+            self._done = True
+            _check(libc().munmap(start, self.nbytes), "munmap")

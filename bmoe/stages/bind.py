@@ -29,6 +29,7 @@ from bmoe.io.ggml import GgmlTensor
 from bmoe.io.layout import ExpertTensor, ModelLayout
 from bmoe.io.regions import (
     Region,
+    WarmPool,
     map_count,
     map_count_limit,
     move_pages,
@@ -61,16 +62,21 @@ class SlotView:
 class Residency:
     """``tensors`` None: regions are filled but no llama.cpp tensor points at them (replay).
     ``recycle``: move evicted pages to the slots about to be read instead of faulting fresh ones.
-    ``shared``: the cache is off for good: every layer reads into one shared set of slots."""
+    ``shared``: the cache is off for good: every layer reads into one shared set of slots.
+    ``pool``: pages faulted in ahead by a background thread, handed to slots once no evicted
+    pages are left (a fresh cache's first misses); only used while ``recycle`` holds, since each
+    hand-over is a page move. The residency closes it."""
 
     def __init__(
         self, layout: ModelLayout, tensors: Mapping[tuple[int, str], int] | None, recycle: bool = True,
-        shared: bool = False,
+        shared: bool = False, pool: WarmPool | None = None,
     ) -> None:
         self.layout = layout
         self.shared = shared
         self.recycle = recycle and not shared
+        self.pool = pool
         self.recycled_bytes = 0
+        self.pooled_bytes = 0
         self._moves = 0
         self._experts: dict[int, tuple[ExpertTensor, ...]] = {
             il: layout.layer_experts(il) for il in layout.moe_layers
@@ -167,28 +173,46 @@ class Residency:
         for layer, expert in needed:
             for lo, hi in self._pages(layer, expert):
                 if self.recycle:
-                    self._move_into(lo, hi, donors)
+                    lo = self._move_into(lo, hi, donors)
+                    if lo < hi and self.pool is not None and self.recycle:
+                        self._take_pooled(lo, hi)
         for lo, hi in donors:
             release_pages(lo, hi)
 
-    def _move_into(self, lo: int, hi: int, donors: deque[list[int]]) -> None:
-        """Fill the pages [lo, hi) from the front of ``donors``, splitting a donor run as needed."""
+    def _take_pooled(self, lo: int, hi: int) -> None:
+        """Fill what the pool has ready of the pages [lo, hi); the rest fault in on the read."""
+        while lo < hi:
+            src, n = self.pool.take(hi - lo)  # type: ignore[union-attr]
+            if n == 0 or not self._move(src, lo, n):
+                return
+            self.pooled_bytes += n
+            lo += n
+
+    def _move_into(self, lo: int, hi: int, donors: deque[list[int]]) -> int:
+        """Fill the pages [lo, hi) from the front of ``donors``, splitting a donor run as needed;
+        returns where the filled pages end."""
         while lo < hi and donors:
             donor = donors[0]
             n = min(hi - lo, donor[1] - donor[0])
-            if not move_pages(donor[0], lo, n):
-                self.recycle = False  # refused once (old kernel, map count): fault from now on
-                return
-            self._moves += 1
-            if self._moves % MAP_CHECK_EVERY == 0 and map_count() > map_count_limit() * 3 // 5:
-                # Every move can split a mapping for good: stop before the process's mappings run
-                # out for llama.cpp and the allocator (a refused mmap there is a crash).
-                self.recycle = False
+            if not self._move(donor[0], lo, n):
+                return lo
             donor[0] += n
             lo += n
             self.recycled_bytes += n
             if donor[0] == donor[1]:
                 donors.popleft()
+        return lo
+
+    def _move(self, src: int, dst: int, n: int) -> bool:
+        if not move_pages(src, dst, n):
+            self.recycle = False  # refused once (old kernel, map count): fault from now on
+            return False
+        self._moves += 1
+        if self._moves % MAP_CHECK_EVERY == 0 and map_count() > map_count_limit() * 3 // 5:
+            # Every move can split a mapping for good: stop before the process's mappings run
+            # out for llama.cpp and the allocator (a refused mmap there is a crash).
+            self.recycle = False
+        return True
 
     def resident_bytes(self) -> int:
         """Bytes of all regions in RAM now (a measurement: allocates)."""
@@ -203,6 +227,8 @@ class Residency:
 
     def close(self) -> None:
         self.restore()
+        if self.pool is not None:
+            self.pool.close()
         for region in [*self._regions.values(), *self._slots]:
             region.close()
         self._regions.clear()
