@@ -14,7 +14,6 @@ import codecs
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -354,58 +353,60 @@ class Session:
             decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
             finish = "length"
             completion = 0
-            # A generation runs: the warm pool stays out of its way (bmoe.io.regions.WarmPool).
-            with self._streaming.generating() if self._streaming else nullcontext():
+            if self._streaming:  # a generation runs: the warm pool stays out of its way
+                self._streaming.pause_pool()
+            try:
+                if self._recorder is not None:
+                    self._recorder.turn = self._generations
+                self._generations += 1
                 try:
-                    if self._recorder is not None:
-                        self._recorder.turn = self._generations
-                    self._generations += 1
+                    m = await self._measured_decode(batches, 0, PHASE_PREFILL, reused)
+                except DecodeAbortedError:
+                    if not self._stopping:
+                        raise
+                    finish, m = "cancelled", None
+                stats.prefill_s = m.wall_s if m is not None else 0.0
+                i = 0
+                while m is not None:
+                    if self._stopping:
+                        finish = "cancelled"
+                        break
+                    logits = model.logits()
+                    token = sampler.sample(logits) if forced is None else forced[i]
+                    if stop_at_end and model.is_end(token):
+                        finish = "stop"
+                        break
+                    sampler.accept(token)
+                    completion += 1
+                    stats.generated_tokens += 1
+                    lp = logprobs_of(logits, token, sampling.logprobs) if sampling.logprobs is not None else None
+                    metrics = self._token_metrics(i, token, m, start)
+                    i += 1
+                    text = stops.feed(decoder.decode(model.piece(token), final=i == max_tokens))
+                    if stops.hit is None and i < max_tokens:
+                        yield Piece(token, text, metrics, lp)
+                    else:  # the last token: its piece carries the end (nothing is held back any more)
+                        finish = "stop" if stops.hit is not None else "length"
+                        usage = self._usage(tokens, completion, reused)
+                        yield Piece(token, text + stops.flush(), metrics, lp, finish, usage)
+                        return
                     try:
-                        m = await self._measured_decode(batches, 0, PHASE_PREFILL, reused)
+                        m = await self._measured_decode([[token]], m.next_step, PHASE_DECODE, i - 1)
                     except DecodeAbortedError:
                         if not self._stopping:
                             raise
-                        finish, m = "cancelled", None
-                    stats.prefill_s = m.wall_s if m is not None else 0.0
-                    i = 0
-                    while m is not None:
-                        if self._stopping:
-                            finish = "cancelled"
-                            break
-                        logits = model.logits()
-                        token = sampler.sample(logits) if forced is None else forced[i]
-                        if stop_at_end and model.is_end(token):
-                            finish = "stop"
-                            break
-                        sampler.accept(token)
-                        completion += 1
-                        stats.generated_tokens += 1
-                        lp = logprobs_of(logits, token, sampling.logprobs) if sampling.logprobs is not None else None
-                        metrics = self._token_metrics(i, token, m, start)
-                        i += 1
-                        text = stops.feed(decoder.decode(model.piece(token), final=i == max_tokens))
-                        if stops.hit is None and i < max_tokens:
-                            yield Piece(token, text, metrics, lp)
-                        else:  # the last token: its piece carries the end (nothing is held back any more)
-                            finish = "stop" if stops.hit is not None else "length"
-                            usage = self._usage(tokens, completion, reused)
-                            yield Piece(token, text + stops.flush(), metrics, lp, finish, usage)
-                            return
-                        try:
-                            m = await self._measured_decode([[token]], m.next_step, PHASE_DECODE, i - 1)
-                        except DecodeAbortedError:
-                            if not self._stopping:
-                                raise
-                            finish = "cancelled"
-                            break
-                        stats.decode_s += m.wall_s
-                    # Ended without a last token to carry it (end of generation, cancelled): one more
-                    # piece, with no token, says why, with any text still held back.
-                    tail = stops.feed(decoder.decode(b"", final=True)) + stops.flush()
-                    yield Piece(None, tail, finish_reason=finish, usage=self._usage(tokens, completion, reused))
-                finally:
-                    sampler.close()
-                    self._finish_stats(stats, start)
+                        finish = "cancelled"
+                        break
+                    stats.decode_s += m.wall_s
+                # Ended without a last token to carry it (end of generation, cancelled): one more
+                # piece, with no token, says why, with any text still held back.
+                tail = stops.feed(decoder.decode(b"", final=True)) + stops.flush()
+                yield Piece(None, tail, finish_reason=finish, usage=self._usage(tokens, completion, reused))
+            finally:
+                if self._streaming:
+                    self._streaming.resume_pool()
+                sampler.close()
+                self._finish_stats(stats, start)
 
     async def generate(
         self, prompt: str | Sequence[int], max_tokens: int = 64, *, sampling: SamplingParams | None = None,

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from bmoe.engine.config import RunConfig
@@ -245,18 +244,14 @@ class Streamer:
         self.budget_changes.append(replace(change, step=self.gate.step))
         self.prefetch.evict(self.cache.set_budget(change.new))
 
-    @contextmanager
-    def generating(self) -> Iterator[None]:
+    def pause_pool(self) -> None:
         """A generation runs: the warm pool (if any) faults nothing in meanwhile."""
-        pool = getattr(self.residency, "pool", None)
-        if pool is None:
-            yield
-            return
-        pool.pause()
-        try:
-            yield
-        finally:
-            pool.resume()
+        if self.residency.pool is not None:
+            self.residency.pool.pause()
+
+    def resume_pool(self) -> None:
+        if self.residency.pool is not None:
+            self.residency.pool.resume()
 
     def set_budget(self, budget_bytes: int) -> None:
         """A new budget from the caller (between generations): also the guard's new ceiling."""

@@ -101,6 +101,19 @@ def move_pages(src: int, dst: int, nbytes: int) -> bool:
     return moved == dst
 
 
+def _reserve(nbytes: int) -> int:
+    """Address of ``nbytes`` of private anonymous read-write memory, no commit charge, on 4 KiB
+    pages: with transparent huge pages, one expert's read would fault in 2 MiB that an eviction
+    cannot give back piecewise, and resident memory would creep up to the whole bank."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+    start: int | None = libc().mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
+    if start in (None, _MAP_FAILED):
+        err = ctypes.get_errno()
+        raise BudgetError(f"cannot reserve {nbytes} bytes of address space: {os.strerror(err)}")
+    libc().madvise(start, nbytes, _MADV_NOHUGEPAGE)
+    return start
+
+
 class Region:
     """Anonymous reserved memory (mmap MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE) for one expert tensor.
 
@@ -115,16 +128,9 @@ class Region:
         head = file_offset % DIRECT_ALIGN
         self.nbytes = nbytes
         self._length = align_up(_PAGE + head + nbytes, _PAGE) + _PAGE
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
-        start: int | None = libc().mmap(None, self._length, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
-        if start in (None, _MAP_FAILED):
-            err = ctypes.get_errno()
-            raise BudgetError(f"cannot reserve {self._length} bytes of address space: {os.strerror(err)}")
+        start = _reserve(self._length)
         self._start: int | None = start
         self.base: int = start + _PAGE + head
-        # With transparent huge pages on, one expert read would fault in 2 MiB pages that an
-        # eviction cannot give back piecewise: resident memory would creep up to the whole bank.
-        libc().madvise(start, self._length, _MADV_NOHUGEPAGE)
 
     @property
     def closed(self) -> bool:
@@ -217,13 +223,11 @@ class WarmPool:
         self._thread: threading.Thread | None = None
         if self._done:
             return
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
-        start = libc().mmap(None, self.nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
-        if start in (None, _MAP_FAILED):
+        try:
+            self._start = _reserve(self.nbytes)
+        except BudgetError:
             self._done = True  # no head start; the slots fault their own pages in
             return
-        self._start = start
-        libc().madvise(start, self.nbytes, _MADV_NOHUGEPAGE)
         self._thread = threading.Thread(target=self._fill, args=(budget(),), name="bmoe-warm-pool", daemon=True)
         self._thread.start()
 

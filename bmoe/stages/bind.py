@@ -76,7 +76,6 @@ class Residency:
         self.recycle = recycle and not shared
         self.pool = pool
         self.recycled_bytes = 0
-        self.pooled_bytes = 0
         self._moves = 0
         self._experts: dict[int, tuple[ExpertTensor, ...]] = {
             il: layout.layer_experts(il) for il in layout.moe_layers
@@ -185,7 +184,6 @@ class Residency:
             src, n = self.pool.take(hi - lo)  # type: ignore[union-attr]
             if n == 0 or not self._move(src, lo, n):
                 return
-            self.pooled_bytes += n
             lo += n
 
     def _move_into(self, lo: int, hi: int, donors: deque[list[int]]) -> int:
@@ -240,6 +238,7 @@ class SimResidency:
     experts sized from the trace, split into the architecture's projections, nothing to bind."""
 
     recycled_bytes = 0
+    pool = None
 
     def __init__(self, n_layer: int, n_expert: int, entry_bytes: Mapping[int, int], n_proj: int = 1) -> None:
         self._entry = dict(entry_bytes)
