@@ -1,8 +1,13 @@
 """The warm pool: pages faulted in while idle, handed to slots, never past the cache's budget."""
 
+import asyncio
 import time
 
+from bmoe.engine.config import RunConfig
+from bmoe.engine.session import Session
 from bmoe.io.regions import Region, WarmPool, move_pages, resident_bytes_of
+from bmoe.synth.tiny import TinySpec
+from tests.helpers import N_TOKENS, PROMPT
 
 MiB = 1 << 20
 
@@ -47,3 +52,45 @@ def test_pool_pauses_and_gives_back_when_the_cache_fills():
     finally:
         pool.close()
     pool.close()  # idempotent
+
+
+def test_pool_pages_given_to_an_evicting_cache_change_no_token(tiny) -> None:
+    """Session level: the pool is given time to fault pages in, then a generation whose cache
+    evicts takes them into slots (counted at ``take``); tokens equal the resident run's. A page
+    moved into the wrong slot, or after its read, would change a token (the gate's power to see a
+    wrong or missing expert is shown in tests/test_gates_stream.py's negative controls)."""
+    path = tiny.path(TinySpec(n_embd=256, n_ff=256, n_layer=3))
+    budget = 2 * MiB
+
+    async def go():  # noqa: ANN202
+        with Session.open(path, RunConfig(mode="stream", n_ctx=256, cache_bytes=budget)) as s:
+            pool = s._streaming.residency.pool
+            assert pool is not None, "the pool is on by default with a recycling cache"
+            assert _wait(lambda: pool.spare_bytes >= budget // 2), "idle: the pool faults pages in"
+            taken, real = [], pool.take
+
+            def counting(nbytes: int):  # noqa: ANN202
+                src, n = real(nbytes)
+                taken.append(n)
+                return src, n
+
+            pool.take = counting
+            g = await s.generate(PROMPT, N_TOKENS, stop_at_end=False)
+            return g, sum(taken)
+
+    g, taken = asyncio.run(go())
+    assert g.tokens == tiny.resident_tokens(path)
+    assert g.stats.cache_evictions > 0, "the cache evicted during the generation"
+    assert taken > 0, "misses took the pool's pages"
+
+
+def test_no_warm_pool_flag_turns_it_off() -> None:
+    from bmoe.cli import build_parser
+    from bmoe.cli.flags import _config
+
+    def parsed(*flags: str):  # noqa: ANN202
+        argv = ["run", "-m", "m.gguf", "-p", "hi", "--cache-mb", "64", *flags]
+        return _config(build_parser(argv).parse_args(argv))
+
+    on, off = parsed(), parsed("--no-warm-pool")
+    assert on.warm_pool and not off.warm_pool

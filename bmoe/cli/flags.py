@@ -90,6 +90,9 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
                    help="run a --cache-mb that the memory model says cannot fit (warned, not refused)")
     p.add_argument("--no-pressure-guard", action="store_true",
                    help="keep the budget fixed while running (default: shrink it under memory pressure)")
+    p.add_argument("--no-warm-pool", action="store_true",
+                   help="fault the cache's pages in on the reads only (default: a background thread faults "
+                        "them in while the session is idle, so a fresh cache's first misses land in ready pages)")
     p.add_argument("--dense-weights", choices=("mmap", "anon"), default="mmap",
                    help="anon: copy dense weights into anonymous memory (safe from page-cache churn)")
     p.add_argument("--open-mode", choices=("auto", "user", "reserved", "mmap", "mmap-drop"), default="auto",
@@ -207,6 +210,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
         cache_profile=args.cache_profile,
         prewarm=args.prewarm,
         pressure_guard=not args.no_pressure_guard,
+        warm_pool=not args.no_warm_pool,
         dense_weights=args.dense_weights,
         open_mode=args.open_mode,
         prefill=getattr(args, "prefill", "auto"),
