@@ -94,3 +94,32 @@ def test_no_warm_pool_flag_turns_it_off() -> None:
 
     on, off = parsed(), parsed("--no-warm-pool")
     assert on.warm_pool and not off.warm_pool
+
+
+def test_pool_pages_are_not_read_as_memory_pressure(tiny) -> None:
+    """The pool's spare pages are out of MemAvailable, like another program's: the guard must
+    count them as the cache's, or a first request after idle time shrinks the budget for nothing."""
+    from bmoe.pipeline.pressure import GuardSettings, PressureSample
+
+    path = tiny.path(TinySpec(n_embd=256, n_ff=256, n_layer=3))
+    budget, low = 12 * MiB, 100 * MiB
+
+    async def go():  # noqa: ANN202
+        with Session.open(path, RunConfig(mode="stream", n_ctx=256, cache_bytes=budget)) as s:
+            pool = s._streaming.residency.pool
+            assert _wait(lambda: pool.spare_bytes >= 4 * MiB)
+            t = [0.0]
+
+            def memory() -> PressureSample:  # what the kernel shows: the cache's and the pool's pages taken
+                t[0] += 0.001
+                return PressureSample(t[0], budget + low + 2 * MiB - s.resident_cache_bytes - pool.spare_bytes,
+                                      None, None)
+
+            s.pressure_guard.source = memory
+            s.pressure_guard.settings = GuardSettings(low=low, high=low + MiB, interval_s=0.0, cooldown_s=1e9)
+            g = await s.generate(PROMPT, N_TOKENS, stop_at_end=False)
+            return g
+
+    g = asyncio.run(go())
+    assert g.tokens == tiny.resident_tokens(path)
+    assert g.stats.budget_changes == [], "no other program took memory: the budget stays"

@@ -238,7 +238,11 @@ class Streamer:
         guard = self.guard
         if guard is None:
             return
-        change = guard.poll(self.cache.budget_bytes, self.cache.resident_bytes)
+        # The warm pool's spare pages are the cache's to be, already out of MemAvailable: counted
+        # as unfilled budget too, they would read as another program's memory (a false shrink).
+        pool = self.residency.pool
+        spare = pool.spare_bytes if pool is not None else 0
+        change = guard.poll(self.cache.budget_bytes, self.cache.resident_bytes + spare)
         if change is None:
             return
         self.budget_changes.append(replace(change, step=self.gate.step))
