@@ -20,7 +20,7 @@ from bmoe.synth.tiny import TinySpec, write_tiny
 
 KEYS = ("device_read_mb_s", "stream_cache_off_read_mb_s", "resident_tok_s", "mmap_tok_s", "stream_tok_s",
         "all_cached_tok_s", "p1_all_cached_over_resident", "p2_read_over_device", "p3_stream_over_mmap",
-        "mmap_norepack_tok_s", "stock_tok_s", "stream_auto_tok_s", "p3_auto_over_mmap")
+        "mmap_norepack_tok_s", "stock_tok_s", "stream_auto_tok_s", "p3_auto_over_mmap", "device_read_fresh_mb_s")
 LOCK = 64 * MiB
 
 
@@ -117,6 +117,11 @@ def test_bench_json_and_files_under_a_ram_limit(model: Path, tmp_path: Path, mon
     assert set(cold) == set(ttft) and set(cold_floor) == set(ttft) and "ttft_cold_s" in result["how"]
     for k, f in cold_floor.items():  # an empty cache reads the prompt's whole union: never less than warm
         assert f["ttft_s"] == cold[k] and f["read_mib"] > 0 and f["read_mib"] >= floor[k]["read_mib"]
+        # the same reads, those into fresh pages at the rate the probe measured into fresh pages
+        fresh_ratio = result["device_read_mb_s"] / result["device_read_fresh_mb_s"]
+        assert f["floor_fresh_s"] > 0 and f["ttft_over_floor_fresh"] > 0
+        assert (f["floor_fresh_s"] - f["floor_s"]) * (fresh_ratio - 1) >= -2e-3, "slower fresh rate: a higher floor"
+    assert result["probe_fresh"]["fresh"] and result["probe_fresh"]["lanes"] == 2 * result["config"]["io_threads"]
     assert [(r["budget_mb"], r["status"]) for r in result["budget_sweep"]] == [(1.0, "measured"), (4.0, "measured")]
     assert all(r["tok_per_s"] > 0 and r["hit_pct"] is not None for r in result["budget_sweep"])
     sq = result["squeeze"]

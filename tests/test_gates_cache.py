@@ -235,3 +235,26 @@ def test_recycling_stops_before_the_mappings_run_out(tiny, monkeypatch) -> None:
     tokens, stats, recycle = asyncio.run(go())
     assert tokens == tiny.resident_tokens(path)
     assert recycle is False and 0 < stats.recycled_bytes, "one move, then no more"
+
+
+def test_reads_into_fresh_pages_get_twice_the_lanes_and_tokens_stay(tiny) -> None:
+    """A fresh cache's misses fault their pages in on the read: twice the lanes while it fills,
+    the configured number once evictions supply pages (and with the cache off: one shared set of
+    slots, populated after the first call). The lane count changes no token."""
+    path = tiny.path(BIG_EXPERTS)
+
+    async def go(budget: int, **kw: object):  # noqa: ANN202
+        with Session.open(path, config(budget, io_threads=2, **kw)) as s:
+            streamer = s._streaming
+            before = streamer.lanes_now()
+            g = await s.generate(PROMPT, N_TOKENS, stop_at_end=False)
+            return before, streamer.lanes_now(), g
+
+    before, after, g = asyncio.run(go(2 * MiB, warm_pool=False))
+    assert (before, after) == (4, 2), "fresh while empty; evictions supply pages once full"
+    assert g.stats.cache_evictions > 0 and g.tokens == tiny.resident_tokens(path)
+    before, after, g = asyncio.run(go(256 * MiB, warm_pool=False))
+    assert (before, after) == (4, 4), "room left: still filling"
+    assert g.tokens == tiny.resident_tokens(path)
+    before, after, g = asyncio.run(go(0))
+    assert (before, after) == (2, 2)

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bmoe.io.direct import DIRECT_ALIGN, ShardReader
+from bmoe.io.direct import DIRECT_ALIGN, ShardReader, align_up
 from bmoe.io.layout import ModelLayout
 from bmoe.io.regions import Region
 
@@ -42,6 +42,7 @@ class ProbeResult:
     mode: str  # "odirect" or "buffered"
     reads: int
     how: str
+    fresh: bool = False  # into pages never touched before (else a reused buffer per lane)
 
 
 def cache_dir() -> Path:
@@ -95,9 +96,14 @@ def measure(directory: Path, slice_bytes: int, lanes: int, reads: int = 256) -> 
     )
 
 
-def measure_model(layout: ModelLayout, lanes: int, reads: int = 256) -> ProbeResult:
+def measure_model(layout: ModelLayout, lanes: int, reads: int = 256, *, fresh: bool = False) -> ProbeResult:
     """Random direct reads of the model's own expert slices (one projection of one expert each,
     as the engine reads them), distinct slices drawn at random across every MoE layer.
+
+    Each lane reads into one buffer of its own, reused (as a warm cache's misses land in recycled
+    pages); ``fresh``: each read into pages never touched before (as a fresh cache's misses land,
+    the kernel faulting them in while the read copies), which costs a machine its first-touch rate
+    on top of the transfer.
 
     What a benchmark's read figures are compared with: a scratch file just written can be served
     from a cache below the guest (a virtual disk's host), which made one probe read 4x faster
@@ -111,28 +117,38 @@ def measure_model(layout: ModelLayout, lanes: int, reads: int = 256) -> ProbeRes
     jobs = random.SystemRandom().sample(slices, min(reads, len(slices)))
     reader = ShardReader(layout.shards, direct=True)
     try:
-        total, elapsed = _timed_reads(reader, jobs, lanes)
+        total, elapsed = _timed_reads(reader, jobs, lanes, fresh=fresh)
         mode = reader.mode
     finally:
         reader.close()
     sizes = sorted({n for _, _, n in jobs})
     size = f"{sizes[0]} bytes" if len(sizes) == 1 else f"{sizes[0]}-{sizes[-1]} bytes"
+    into = "pages never touched before" if fresh else "one reused buffer per lane"
     return ProbeResult(
         total / MiB / elapsed, sizes[-1], lanes, mode, len(jobs),
-        f"{len(jobs)} random {mode} reads of distinct expert slices of the model ({size}), {lanes} lanes;"
-        " bytes transferred over wall time",
+        f"{len(jobs)} random {mode} reads of distinct expert slices of the model ({size}), {lanes} lanes, into "
+        f"{into}; bytes transferred over wall time", fresh,
     )
 
 
-def _timed_reads(reader: ShardReader, jobs: list[tuple[int, int, int]], lanes: int) -> tuple[int, float]:
-    """Run (shard, offset, nbytes) reads on ``lanes`` threads: (bytes read, seconds)."""
-    room = max(n for _, _, n in jobs) + DIRECT_ALIGN
-    regions = [Region(room, 0) for _ in range(lanes)]
+def _timed_reads(
+    reader: ShardReader, jobs: list[tuple[int, int, int]], lanes: int, *, fresh: bool = False,
+) -> tuple[int, float]:
+    """Run (shard, offset, nbytes) reads on ``lanes`` threads: (bytes read, seconds). ``fresh``:
+    read ``i`` lands in slot ``i`` of one region that nothing touched before, else in its lane's
+    buffer."""
+    room = align_up(max(n for _, _, n in jobs) + DIRECT_ALIGN, DIRECT_ALIGN)
+    regions = [Region(room * len(jobs), 0)] if fresh else [Region(room, 0) for _ in range(lanes)]
+
+    def dest(i: int, off: int) -> int:
+        base = regions[0].base + i * room if fresh else regions[i % lanes].base
+        return base + off % DIRECT_ALIGN
+
     try:
         with ThreadPoolExecutor(lanes) as pool:
             t0 = time.perf_counter()
             futures = [
-                pool.submit(reader.read_into, shard, off, n, regions[i % lanes].base + off % DIRECT_ALIGN)
+                pool.submit(reader.read_into, shard, off, n, dest(i, off))
                 for i, (shard, off, n) in enumerate(jobs)
             ]
             total = sum(f.result() for f in futures)

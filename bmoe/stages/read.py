@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import takewhile
@@ -105,11 +106,14 @@ class ReadQueue:
 
 class ReadStage:
     def __init__(
-        self, reader: Reader, lanes: ThreadPoolExecutor, n_lanes: int, board: ReadinessBoard, hooks: Hooks
+        self, reader: Reader, lanes: ThreadPoolExecutor, n_lanes: int | Callable[[], int], board: ReadinessBoard,
+        hooks: Hooks,
     ) -> None:
+        """``n_lanes``: lanes per run, or a function asked at the start of each run (the streamer's:
+        more while reads land in fresh pages); ``lanes`` must have that many threads."""
         self._reader = reader
         self._lanes = lanes
-        self._n_lanes = n_lanes
+        self._n_lanes = n_lanes if callable(n_lanes) else (lambda: n_lanes)
         self._board = board
         self._hooks = hooks
         self.counters = ReadCounters()
@@ -196,7 +200,7 @@ class ReadStage:
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(feed())
-                for _ in range(self._n_lanes):
+                for _ in range(self._n_lanes()):
                     tg.create_task(lane())
         finally:
             # Whatever this decode's stage still owed (queued, or on a lane when a failure or a
