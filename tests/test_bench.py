@@ -20,7 +20,8 @@ from bmoe.synth.tiny import TinySpec, write_tiny
 
 KEYS = ("device_read_mb_s", "stream_cache_off_read_mb_s", "resident_tok_s", "mmap_tok_s", "stream_tok_s",
         "all_cached_tok_s", "p1_all_cached_over_resident", "p2_read_over_device", "p3_stream_over_mmap",
-        "mmap_norepack_tok_s", "stock_tok_s", "stream_auto_tok_s", "p3_auto_over_mmap", "device_read_fresh_mb_s")
+        "mmap_norepack_tok_s", "stock_tok_s", "stream_auto_tok_s", "p3_auto_over_mmap", "device_read_fresh_mb_s",
+        "device_read_end_mb_s")
 LOCK = 64 * MiB
 
 

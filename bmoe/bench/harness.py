@@ -362,22 +362,16 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda _l: None) 
                             cgroup=cgroup_room())
     out_dir = _out_dir(opts, model, started)
 
-    lanes = sorted(set(LANES) | {opts.io_threads})
-    probes: list[dict[str, Any]] = []
-    for n in lanes:
-        log(f"probe: {n} lane(s), {slice_bytes} byte slices")
+    def probe(lanes: int, what: str = "", fresh: bool = False) -> dict[str, Any]:
+        log(f"probe{what}: {lanes} lane(s), {slice_bytes} byte slices" + (", into pages never touched before" * fresh))
         try:
-            probes.append(dataclasses.asdict(measure_model(layout, n)))
+            return dataclasses.asdict(measure_model(layout, lanes, fresh=fresh))
         except (OSError, BmoeError) as e:
-            probes.append({"mib_s": None, "slice_bytes": slice_bytes, "lanes": n, "mode": None, "reads": None,
-                           "how": f"probe failed on {model}: {type(e).__name__}: {e}"})
-    fresh_lanes = FRESH_LANES * opts.io_threads  # the lanes a fresh cache's reads run on
-    log(f"probe: {fresh_lanes} lane(s), {slice_bytes} byte slices, into pages never touched before")
-    try:
-        probe_fresh = dataclasses.asdict(measure_model(layout, fresh_lanes, fresh=True))
-    except (OSError, BmoeError) as e:
-        probe_fresh = {"mib_s": None, "slice_bytes": slice_bytes, "lanes": fresh_lanes, "mode": None, "reads": None,
-                       "how": f"probe failed on {model}: {type(e).__name__}: {e}", "fresh": True}
+            return {"mib_s": None, "slice_bytes": slice_bytes, "lanes": lanes, "mode": None, "reads": None,
+                    "how": f"probe failed on {model}: {type(e).__name__}: {e}", "fresh": fresh}
+
+    probes = [probe(n) for n in sorted(set(LANES) | {opts.io_threads})]
+    probe_fresh = probe(FRESH_LANES * opts.io_threads, fresh=True)  # the lanes a fresh cache's reads run on
 
     balloon_info: dict[str, Any] = {"limit_bytes": opts.ram_limit_bytes}
     with _terminate_as_exit(), tempfile.TemporaryDirectory(prefix="bmoe-bench-") as scratch:
@@ -416,7 +410,8 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda _l: None) 
         finally:
             if balloon is not None:
                 balloon.release()
-    result = summarize(runs, probes, layout, opts, machine, balloon_info, started, probe_fresh)
+    probe_end = probe(opts.io_threads, " again, after the runs")  # how far the device's rate drifted
+    result = summarize(runs, probes, layout, opts, machine, balloon_info, started, probe_fresh, probe_end)
     write_report(result, out_dir, opts.plot)
     return result
 
@@ -817,7 +812,7 @@ def _ttft_floor(detail: Mapping[str, Mapping[str, Any]] | None, device_mib_s: fl
 
 def summarize(runs: list[Run], probes: list[dict[str, Any]], layout: Any, opts: BenchOptions,
               machine: dict[str, Any], balloon: dict[str, Any], started: datetime,
-              probe_fresh: dict[str, Any] | None = None) -> dict[str, Any]:
+              probe_fresh: dict[str, Any] | None = None, probe_end: dict[str, Any] | None = None) -> dict[str, Any]:
     by_id = {r.id: r for r in runs}
     ref_id = next((i for i in ("resident", "mmap_norepack", "stream_off") if by_id[i].result is not None), None)
     reference = by_id[ref_id].result["tokens"] if ref_id else None  # type: ignore[index]
@@ -844,6 +839,12 @@ def summarize(runs: list[Run], probes: list[dict[str, Any]], layout: Any, opts: 
                                + (device["how"] if device else "not run"))
     if out["device_read_mb_s"] is None:
         notes["device_read_mb_s"] = device["how"] if device else "the probe did not run"
+    out["device_read_end_mb_s"] = _r(probe_end["mib_s"], 1) if probe_end and probe_end["mib_s"] else None
+    how["device_read_end_mb_s"] = ("MiB/s; the probe of device_read_mb_s again after the last run: the device's rate "
+                                   "drifts (a shared host), and every floor computed from device_read_mb_s moves "
+                                   "with it; " + (probe_end["how"] if probe_end else "not run"))
+    if out["device_read_end_mb_s"] is None:
+        notes["device_read_end_mb_s"] = probe_end["how"] if probe_end else "the probe did not run"
     out["device_read_fresh_mb_s"] = _r(probe_fresh["mib_s"], 1) if probe_fresh and probe_fresh["mib_s"] else None
     how["device_read_fresh_mb_s"] = ("MiB/s; the same probe into pages never touched before, as a fresh cache's "
                                      "misses land (the kernel faults each page in as the read copies), at the "
@@ -963,6 +964,7 @@ def summarize(runs: list[Run], probes: list[dict[str, Any]], layout: Any, opts: 
     }
     out["probe"] = probes
     out["probe_fresh"] = probe_fresh
+    out["probe_end"] = probe_end
     out["runs"] = rows
     return out
 
@@ -1080,6 +1082,10 @@ def report_markdown(result: dict[str, Any]) -> str:
         "## Device probe",
         "",
         *probe,
+        "",
+        f"Again after the last run, {result['config']['io_threads']} lanes: {_cell(result.get('device_read_end_mb_s'))} "
+        f"MiB/s. Into pages never touched before, {(result.get('probe_fresh') or {}).get('lanes')} lanes: "
+        f"{_cell(result.get('device_read_fresh_mb_s'))} MiB/s.",
         "",
         "## Key figures",
         "",
