@@ -834,23 +834,20 @@ def summarize(runs: list[Run], probes: list[dict[str, Any]], layout: Any, opts: 
                f"warm-up of {opts.warmup} tokens on another prompt in the same fresh process")
     device = next((p for p in probes if p["lanes"] == opts.io_threads), None)
     out: dict[str, Any] = {}
-    out["device_read_mb_s"] = _r(device["mib_s"], 1) if device else None
-    how["device_read_mb_s"] = (f"MiB/s; bmoe.io.probe at {opts.io_threads} lanes (the streamed runs' --io-threads): "
-                               + (device["how"] if device else "not run"))
-    if out["device_read_mb_s"] is None:
-        notes["device_read_mb_s"] = device["how"] if device else "the probe did not run"
-    out["device_read_end_mb_s"] = _r(probe_end["mib_s"], 1) if probe_end and probe_end["mib_s"] else None
-    how["device_read_end_mb_s"] = ("MiB/s; the probe of device_read_mb_s again after the last run: the device's rate "
-                                   "drifts (a shared host), and every floor computed from device_read_mb_s moves "
-                                   "with it; " + (probe_end["how"] if probe_end else "not run"))
-    if out["device_read_end_mb_s"] is None:
-        notes["device_read_end_mb_s"] = probe_end["how"] if probe_end else "the probe did not run"
-    out["device_read_fresh_mb_s"] = _r(probe_fresh["mib_s"], 1) if probe_fresh and probe_fresh["mib_s"] else None
-    how["device_read_fresh_mb_s"] = ("MiB/s; the same probe into pages never touched before, as a fresh cache's "
-                                     "misses land (the kernel faults each page in as the read copies), at the "
-                                     "lanes the engine uses for them: " + (probe_fresh["how"] if probe_fresh else "not run"))
-    if out["device_read_fresh_mb_s"] is None:
-        notes["device_read_fresh_mb_s"] = probe_fresh["how"] if probe_fresh else "the probe did not run"
+
+    def probed(key: str, p: dict[str, Any] | None, what: str) -> None:
+        """A probe's MiB/s under ``key``, null with the probe's own account when it failed."""
+        out[key] = _r(p["mib_s"], 1) if p and p["mib_s"] else None
+        how[key] = f"MiB/s; {what}: " + (p["how"] if p else "not run")
+        if out[key] is None:
+            notes[key] = p["how"] if p else "the probe did not run"
+
+    probed("device_read_mb_s", device, f"bmoe.io.probe at {opts.io_threads} lanes (the streamed runs' --io-threads)")
+    probed("device_read_end_mb_s", probe_end, "the probe of device_read_mb_s again after the last run: the device's "
+           "rate drifts (a shared host), and every floor computed from device_read_mb_s moves with it")
+    probed("device_read_fresh_mb_s", probe_fresh, "the same probe into pages never touched before, as a fresh "
+           "cache's misses land (the kernel faults each page in as the read copies), at the lanes the engine uses "
+           "for them")
     out["stream_cache_off_read_mb_s"] = pick(
         "stream_cache_off_read_mb_s", "stream_off", "read_mib_s",
         "MiB/s; engine read rate of the cache-off streamed run: file bytes read over the summed per-layer "
