@@ -363,7 +363,8 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda _l: None) 
     out_dir = _out_dir(opts, model, started)
 
     def probe(lanes: int, what: str = "", fresh: bool = False) -> dict[str, Any]:
-        log(f"probe{what}: {lanes} lane(s), {slice_bytes} byte slices" + (", into pages never touched before" * fresh))
+        into = ", into pages never touched before" if fresh else ""
+        log(f"probe{what}: {lanes} lane(s), {slice_bytes} byte slices{into}")
         try:
             return dataclasses.asdict(measure_model(layout, lanes, fresh=fresh))
         except (OSError, BmoeError) as e:
