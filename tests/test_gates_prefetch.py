@@ -72,6 +72,33 @@ def test_predictive_prefetch_equals_resident_and_scores_itself(tiny, arch: str) 
     assert all(0 <= v <= 100 for v in accuracy.values())
 
 
+@pytest.mark.parametrize("steps", [False, True])
+def test_prompt_prediction_equals_resident_and_reads_ahead_in_the_prompt(tiny, steps: bool) -> None:
+    """The batched prompt's read-ahead (the union of each row's predicted top-k) changes no token
+    and holds the budget; without ``predict_prefetch`` only the prompt reads ahead."""
+    path = tiny.path(SPEC)
+    budget = 14 * MiB  # the prompt routes all 8 experts of a layer (6 MiB): two layers fit, not four
+    config = RunConfig(n_ctx=256, cache_bytes=budget, predict_prompt=True, predict_prefetch=steps,
+                       prefill="batch")
+    tokens, stats = stream_within_budget(path, config)
+    assert tokens == tiny.resident_tokens(path)
+    assert stats.prefetch_issued > 0 and stats.speculative_bytes > 0, "the prompt read ahead"
+    assert stats.cache_evictions > 0
+    accuracy = stats.predict_accuracy_pct
+    assert accuracy and set(accuracy) == {1, 2, 3}, "every layer after the first is predicted and scored"
+    if not steps:
+        off = RunConfig(n_ctx=256, cache_bytes=budget, prefill="batch")
+        plain, plain_stats = stream_within_budget(path, off)
+        assert plain == tokens and not plain_stats.prefetch_issued, "no prediction, no read-ahead"
+
+
+def test_prompt_prediction_needs_a_cache_and_not_expert_major() -> None:
+    with pytest.raises(ConfigError, match="cache budget"):
+        RunConfig(predict_prompt=True, cache_bytes=0)
+    with pytest.raises(ConfigError, match="predict_prompt"):
+        RunConfig(predict_prompt=True, cache_bytes=4 * MiB, prefill="expert")
+
+
 def test_read_ahead_from_the_fast_path_spares_the_layer_about_to_compute() -> None:
     """An all-resident layer computes right after its read-ahead is planned: the read-ahead must
     never make room by evicting that layer's experts."""

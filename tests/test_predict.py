@@ -26,3 +26,19 @@ def test_predictions_are_trusted_only_while_recently_right() -> None:
     assert p.trusted(1), "a layer whose guesses improve is trusted again"
     assert p.accuracy_pct() == {1: 50.0}
 
+
+
+def test_a_batch_predicts_the_union_of_its_rows_and_is_charged_for_extra_names() -> None:
+    routers = {0: np.eye(4, dtype=np.float32), 1: np.eye(4, dtype=np.float32), 2: np.eye(4, dtype=np.float32)}
+    p = Predictor(routers, k=1, final_layer=2)
+    rows = np.eye(4, dtype=np.float32)[[0, 2, 2]]  # three tokens: layer 1's router picks 0, 2, 2
+    layer, top = p.predict(0, rows)
+    assert layer == 1 and top.tolist() == [0, 2], "each row's top-k, their union"
+    p.score(1, (2, 3))  # one of two named was routed, one routed was not named
+    assert p.accuracy_pct() == {1: 50.0}
+    p.score(1, (2,))  # nothing pending: no score
+    layer, top = p.predict(1, rows)
+    assert layer == 2 and top.tolist() == [2], "the final layer runs on the last row only (llama.cpp's out ids)"
+    p.predict(0, rows)
+    p.score(1, (0,))  # named two, routed one: the extra name is a read for nothing
+    assert p.correct[1] == 2 and p.total[1] == 4

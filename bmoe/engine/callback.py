@@ -34,7 +34,6 @@ from bmoe.engine.node_filter import NodeFilter
 from bmoe.errors import BmoeError, DecodeAbortedError, as_bmoe_error
 from bmoe.io.ggml import NAME_OFFSET, SRC_OFFSET, GgmlTensor
 from bmoe.pipeline.boundary import RoutePredictor, WeightsTap
-from bmoe.pipeline.events import PHASE_DECODE
 from bmoe.pipeline.gate import RoutingGate
 
 _u64 = ctypes.c_uint64.from_address
@@ -120,8 +119,10 @@ class EvalCallback:
         self.weights_tap: WeightsTap | None = None
         # Overlap only: node name -> (layer, projection to wait for once that node has run).
         self.wait_after: dict[bytes, tuple[int, int]] | None = None
-        # Predictive read-ahead only: predicts the next layer's experts from a router input.
+        # Predictive read-ahead only: predicts the next layer's experts from a router input, in
+        # one-token calls (``predict_steps``) and in batched ones (``predict_batches``).
         self.predictor: RoutePredictor | None = None
+        self.predict_steps = self.predict_batches = False
         # Set by the model when a C node filter stands in front: ``stream`` hands it the one name
         # this callback needs, so that the other MoE nodes never reach Python, and the resident
         # maps, so that a one-token routing of resident experts is served in C.
@@ -129,6 +130,7 @@ class EvalCallback:
         # Expert-major prefill (set by the session when the model and the run allow it).
         self.expert_major: ExpertMajor | None = None
         self._em_active = False  # this decode call runs expert-major
+        self._batched = False  # this decode call has more than one token
         # Whether every routing must reach the cache's policy even when the cache holds every
         # expert (a run that saves what the policy learned); else such routings go unseen.
         self.see_routing = False
@@ -142,6 +144,8 @@ class EvalCallback:
         self.weights_tap = modes.weights_tap
         self.wait_after = dict(modes.overlap.wait_after) if modes.overlap is not None else None
         self.predictor = modes.predictor
+        self.predict_steps = modes.predictor is not None and modes.predict_steps
+        self.predict_batches = modes.predictor is not None and modes.predict_batches
         self.streaming = True
         nf = self.node_filter
         if nf is not None and self._topk_only():
@@ -153,8 +157,10 @@ class EvalCallback:
     def _narrow(self) -> None:
         nf = self.node_filter
         if nf is not None and self._topk_only():
-            # Expert-major calls need the output node of each layer too: every MoE node, then.
-            nf.narrow(None if self._em_active else b"topk-")
+            # Expert-major calls need the output node of each layer too, and a batch predicted
+            # from its router inputs the router node: every MoE node, then.
+            wide = self._em_active or (self._batched and self.predict_batches)
+            nf.narrow(None if wide else b"topk-")
             nf.set_fast(self.streaming and not self._em_active and not self.gate.aborting)
 
     def before_decode(self, n_tokens: int) -> None:
@@ -166,8 +172,9 @@ class EvalCallback:
             # One-token graphs only: expert-major (batches) matches the scale chain op by op, and
             # llama.cpp reuses a graph only for the same batch shape.
             self.node_filter.set_skip(n_tokens == 1)
-        if active != self._em_active or self.gate.native is not None:
-            self._em_active = active
+        batched = n_tokens > 1
+        if active != self._em_active or batched != self._batched or self.gate.native is not None:
+            self._em_active, self._batched = active, batched
             self._narrow()  # also turns the C routing back on after an abort turned it off
         nf = self.node_filter
         if nf is not None and self.gate.native is not None:
@@ -181,9 +188,10 @@ class EvalCallback:
             self.expert_major.end()
 
     def _topk_only(self) -> bool:
-        """Whether the routing node is the only one this callback serves (then the C filter may
-        answer every other node, and the routing node's ask, itself)."""
-        return self.weights_tap is None and self.wait_after is None and self.predictor is None
+        """Whether the routing node is the only one this callback serves in one-token calls (then
+        the C filter may answer every other node, and the routing node's ask, itself; a batch
+        predicted from its router inputs widens it call by call, ``_narrow``)."""
+        return self.weights_tap is None and self.wait_after is None and not self.predict_steps
 
     @property
     def error(self) -> BaseException | None:
@@ -225,18 +233,23 @@ class EvalCallback:
             return False
 
     def _on_logits(self, node: int, ask: bool) -> bool:
-        if self.gate.phase != PHASE_DECODE:
-            return False
+        if self._em_active or not (self.predict_batches if self._batched else self.predict_steps):
+            return False  # expert-major reads its next group itself while one computes
         t = GgmlTensor.from_address(node)
         if not t.name[_LOGITS_NAME_LEN:].isdigit():
             return False
         if ask:
             return True
         x = GgmlTensor.from_address(t.src[1])  # the router input: F32 [n_embd, n_tokens]
-        n_embd, rows = x.ne[0], x.ne[1]
-        last = np.ndarray((n_embd,), np.float32, (ctypes.c_char * (n_embd * 4)).from_address(x.data + (rows - 1) * x.nb[1]))
+        n_embd, rows, row_bytes = x.ne[0], x.ne[1], x.nb[1]
+        if rows == 1:
+            x_rows = np.ndarray((n_embd,), np.float32, (ctypes.c_char * (n_embd * 4)).from_address(x.data))
+        else:
+            span = (rows - 1) * row_bytes + n_embd * 4
+            x_rows = np.ndarray((rows, n_embd), np.float32, (ctypes.c_char * span).from_address(x.data),
+                                strides=(row_bytes, 4))
         predictor = self.predictor
-        predicted = predictor.predict(int(t.name[_LOGITS_NAME_LEN:]), last)  # type: ignore[union-attr]
+        predicted = predictor.predict(int(t.name[_LOGITS_NAME_LEN:]), x_rows)  # type: ignore[union-attr]
         if predicted is not None and predictor.trusted(predicted[0]):  # type: ignore[union-attr]
             self.gate.predict(*predicted)
         return True

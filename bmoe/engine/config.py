@@ -65,6 +65,9 @@ class RunConfig:
     prefetch_layers: int = 0
     # Predictive read-ahead: the next layer's router applied to this layer's router input.
     predict_prefetch: bool = False
+    # The same for a batched prompt: while layer l computes, read the next layer's experts that
+    # its router picks for any of the prompt's rows (needs a cache budget).
+    predict_prompt: bool = False
     # Write every routing decision to this file (route_trace v2; streamed runs only).
     route_trace: str | None = None
     # How a prompt is run (bmoe.engine.prefill): one batch, micro-batches of 8, token by token,
@@ -120,10 +123,10 @@ class RunConfig:
             if self.mode != "stream" or self.cache_bytes == 0:
                 raise ConfigError("prefill 'expert' reads a prompt's experts group by group through the expert cache: "
                                   "stream with a cache budget")
-            if self.overlap or self.predict_prefetch or self.route_trace is not None \
+            if self.overlap or self.predict_prefetch or self.predict_prompt or self.route_trace is not None \
                     or self.drop_cold_experts is not None or self.route_ahead is not None:
                 raise ConfigError("prefill 'expert' computes the expert nodes itself: not with overlap, "
-                                  "predict_prefetch, a route trace, drop_cold_experts or route_ahead")
+                                  "predict_prefetch / predict_prompt, a route trace, drop_cold_experts or route_ahead")
         if self.route_trace is not None and self.mode != "stream":
             raise ConfigError("route traces are recorded by the streaming callback: use mode='stream'")
         if not 0 <= self.prefetch_layers <= 64:
@@ -135,6 +138,8 @@ class RunConfig:
                               "budget and a cache profile (--cache-profile)")
         if self.predict_prefetch and (self.mode != "stream" or self.cache_bytes == 0):
             raise ConfigError("predict_prefetch reads ahead into the expert cache: stream with a cache budget")
+        if self.predict_prompt and (self.mode != "stream" or self.cache_bytes == 0):
+            raise ConfigError("predict_prompt reads ahead into the expert cache: stream with a cache budget")
         if self.overlap and self.mode != "stream":
             raise ConfigError("overlap applies to streamed runs: use mode='stream'")
         if self.eval_filter and self.mode != "resident":
@@ -158,8 +163,9 @@ class RunConfig:
                 raise ConfigError(f"route_ahead must be 0..64 MoE layers, got {n}")
             if self.mode != "stream" or self.cache_bytes == 0:
                 raise ConfigError("route_ahead reads experts ahead into the cache: stream with a cache budget (cache_bytes)")
-            if self.prefetch_layers or self.predict_prefetch:
-                raise ConfigError("route_ahead already reads ahead: drop prefetch_layers / predict_prefetch")
+            if self.prefetch_layers or self.predict_prefetch or self.predict_prompt:
+                raise ConfigError("route_ahead already reads ahead: drop prefetch_layers / predict_prefetch / "
+                                  "predict_prompt")
             if f is not None:
                 raise ConfigError("route_ahead and drop_cold_experts both rewrite the routing: pick one")
 

@@ -193,11 +193,14 @@ class Session:
                 parts = StreamParts.live(layout, tensors, config, dense_in_file=opened.open_mode != "user",
                                          n_batch=model.n_batch)
                 overlap = _plan_overlap(model, callback, layout, tensors) if config.overlap else None
-                predictor = Predictor(load_routers(layout), layout.n_expert_used) if config.predict_prefetch else None
+                predicting = config.predict_prefetch or config.predict_prompt
+                predictor = Predictor(load_routers(layout), layout.n_expert_used, final_layer=layout.main_layers - 1) \
+                    if predicting else None
                 if config.route_trace is not None:
                     recorder = RouteRecorder(config.route_trace, layout, _run_line(config, parts))
                 modes = ComputeModes(
-                    overlap=overlap, predictor=predictor, lookahead=config.prefetch_layers,
+                    overlap=overlap, predictor=predictor, predict_steps=config.predict_prefetch,
+                    predict_batches=config.predict_prompt, lookahead=config.prefetch_layers,
                     tap=recorder.tap if recorder is not None else None,
                     weights_tap=recorder.tap_weights if recorder is not None else None,
                 )

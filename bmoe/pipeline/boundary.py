@@ -83,13 +83,16 @@ class ComputeModes:
     """``overlap``: per-projection wait points (None: wait for a layer's every byte at routing;
     a replay's modelled per-expert overlap is a gate of its own, ``bmoe.engine.per_expert``).
     ``tap`` / ``weights_tap``: route-trace observers. ``predictor``: predictive read-ahead from
-    the next layer's router. ``lookahead``: MoE layers ahead whose previous routing is read ahead
-    while a layer is served (0: off)."""
+    the next layer's router, in one-token calls (``predict_steps``) and in batched ones, a prompt's
+    (``predict_batches``: the union over its rows). ``lookahead``: MoE layers ahead whose previous
+    routing is read ahead while a layer is served (0: off)."""
 
     overlap: OverlapPlan | None = None
     tap: Tap | None = None
     weights_tap: WeightsTap | None = None
     predictor: RoutePredictor | None = None
+    predict_steps: bool = True
+    predict_batches: bool = False
     lookahead: int = 0
 
     def __post_init__(self) -> None:

@@ -51,9 +51,12 @@ class Predictor:
     TRUST_PCT = 80.0
     RECENT = 8  # predictions per layer the trust looks back on
 
-    def __init__(self, routers: dict[int, np.ndarray], k: int) -> None:
+    def __init__(self, routers: dict[int, np.ndarray], k: int, final_layer: int | None = None) -> None:
         self._routers = routers
         self._k = k
+        # llama.cpp runs the model's final layer on the rows whose logits it outputs only (a
+        # prompt's last), so a batch predicts that layer from its last row.
+        self._final = final_layer
         self._recent: dict[int, deque[tuple[int, int]]] = {}  # layer -> (right, routed) per prediction
         layers = sorted(routers)
         self._next = dict(zip(layers, layers[1:]))
@@ -62,23 +65,34 @@ class Predictor:
         self.total: dict[int, int] = {}
 
     def predict(self, layer: int, x: np.ndarray) -> tuple[int, np.ndarray] | None:
-        """From layer ``layer``'s router input, the next MoE layer and its predicted top-k."""
+        """From layer ``layer``'s router input (one row, or a batch's rows [tokens, n_embd]), the
+        next MoE layer and the experts it is predicted to route: each row's top-k, their union
+        for a batch."""
         nxt = self._next.get(layer)
         if nxt is None:
             return None
-        scores = self._routers[nxt] @ x
-        top = np.argpartition(scores, -self._k)[-self._k:]
+        if x.ndim == 2 and nxt == self._final:
+            x = x[-1]
+        if x.ndim == 1:
+            top = np.argpartition(self._routers[nxt] @ x, -self._k)[-self._k:]
+        else:
+            scores = x @ self._routers[nxt].T
+            top = np.unique(np.argpartition(scores, -self._k, axis=1)[:, -self._k:])
         self._pending[nxt] = top
         return nxt, top
 
     def score(self, layer: int, routed: tuple[int, ...]) -> None:
+        """Score the prediction for ``layer`` against what it routed: right over the larger of
+        the two sets, so a batch's union is charged for what it named and was not routed (a read
+        for nothing) as much as for what it missed. One token: both sets are k, as before."""
         predicted = self._pending.pop(layer, None)
         if predicted is None:
             return
         right = len(set(predicted.tolist()) & set(routed))
+        n = max(len(routed), len(predicted))
         self.correct[layer] = self.correct.get(layer, 0) + right
-        self.total[layer] = self.total.get(layer, 0) + len(routed)
-        self._recent.setdefault(layer, deque(maxlen=self.RECENT)).append((right, len(routed)))
+        self.total[layer] = self.total.get(layer, 0) + n
+        self._recent.setdefault(layer, deque(maxlen=self.RECENT)).append((right, n))
 
     def trusted(self, layer: int) -> bool:
         """Whether to read ahead what is predicted for ``layer``: yes until there is evidence."""
