@@ -87,7 +87,7 @@ def test_prompt_prediction_equals_resident_and_reads_ahead_in_the_prompt(tiny, s
     accuracy = stats.predict_accuracy_pct
     assert accuracy and set(accuracy) == {1, 2, 3}, "every layer after the first is predicted and scored"
     if not steps:
-        off = RunConfig(n_ctx=256, cache_bytes=budget, prefill="batch")
+        off = RunConfig(n_ctx=256, cache_bytes=budget, prefill="batch", predict_prompt=False)
         plain, plain_stats = stream_within_budget(path, off)
         assert plain == tokens and not plain_stats.prefetch_issued, "no prediction, no read-ahead"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -114,9 +115,17 @@ def test_a_plain_stream_calls_python_once_a_layer(tiny: TinyModels, asked: list[
     if node_filter.node_filter(node_filter.EvalFn(lambda *_: False)) is None:
         pytest.skip(f"no C filter here: {node_filter.unavailable}")
     resident = tiny.resident_tokens(path)
-    assert generate_tokens(path, EVICTING) == resident
+    plain = replace(EVICTING, predict_prompt=False)
+    assert generate_tokens(path, plain) == resident
     assert asked and all(n.startswith(b"ffn_moe_topk-") and not a for n, a in asked)
     assert {int(n[len(b"ffn_moe_topk-"):]) for n, _ in asked} == set(range(SPEC.n_layer))
+    asked.clear()  # the prompt's read-ahead (on by default) also takes each router node of the batch
+    assert EVICTING.predicts_prompts and generate_tokens(path, EVICTING) == resident
+    routers = [n for n, _ in asked if n.startswith(b"ffn_moe_logits-")]
+    assert not any(a for _, a in asked), "asked in C"
+    assert all(n.startswith((b"ffn_moe_topk-", b"ffn_moe_logits-")) for n, _ in asked)
+    assert sorted(int(n[len(b"ffn_moe_logits-"):]) for n in routers) == list(range(SPEC.n_layer)), \
+        "one router node a layer, in the prompt's one batched call only"
     asked.clear()  # negative control: overlap waits at the matmuls, so every MoE node reaches Python
     overlap = RunConfig(mode="stream", n_ctx=256, cache_bytes=1 * MiB, overlap=True)
     assert generate_tokens(path, overlap) == resident

@@ -107,9 +107,9 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
                    help="read the previous token's experts of the next K layers ahead (needs a cache)")
     p.add_argument("--predict-prefetch", action="store_true",
                    help="predict the next layer's experts with its router and read them ahead (needs a cache)")
-    p.add_argument("--predict-prompt", action="store_true",
+    p.add_argument("--predict-prompt", action=argparse.BooleanOptionalAction, default=None,
                    help="the same for a batched prompt: read the next layer's predicted experts while a layer "
-                        "computes (pays with a core to spare; needs a cache)")
+                        "computes (default: on when streaming with a cache)")
     p.add_argument("-t", "--threads", type=_threads, default=None, help="compute threads")
     p.add_argument("-c", "--ctx", type=_ctx, default=2048, help="context length")
 

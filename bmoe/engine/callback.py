@@ -157,10 +157,12 @@ class EvalCallback:
     def _narrow(self) -> None:
         nf = self.node_filter
         if nf is not None and self._topk_only():
-            # Expert-major calls need the output node of each layer too, and a batch predicted
-            # from its router inputs the router node: every MoE node, then.
-            wide = self._em_active or (self._batched and self.predict_batches)
-            nf.narrow(None if wide else b"topk-")
+            # Expert-major calls need the output node of each layer too: every MoE node, then. A
+            # batch predicted from its router inputs needs the router node beside the routing.
+            if self._em_active:
+                nf.narrow(None)
+            else:
+                nf.narrow(b"topk-", b"logits-" if self._batched and self.predict_batches else None)
             nf.set_fast(self.streaming and not self._em_active and not self.gate.aborting)
 
     def before_decode(self, n_tokens: int) -> None:

@@ -66,8 +66,10 @@ class RunConfig:
     # Predictive read-ahead: the next layer's router applied to this layer's router input.
     predict_prefetch: bool = False
     # The same for a batched prompt: while layer l computes, read the next layer's experts that
-    # its router picks for any of the prompt's rows (needs a cache budget).
-    predict_prompt: bool = False
+    # its router picks for any of the prompt's rows (needs a cache budget). None (auto): on when
+    # streaming with a cache, unless expert-major, route-ahead or cold-expert dropping runs
+    # (``predicts_prompts``).
+    predict_prompt: bool | None = None
     # Write every routing decision to this file (route_trace v2; streamed runs only).
     route_trace: str | None = None
     # How a prompt is run (bmoe.engine.prefill): one batch, micro-batches of 8, token by token,
@@ -123,7 +125,7 @@ class RunConfig:
             if self.mode != "stream" or self.cache_bytes == 0:
                 raise ConfigError("prefill 'expert' reads a prompt's experts group by group through the expert cache: "
                                   "stream with a cache budget")
-            if self.overlap or self.predict_prefetch or self.predict_prompt or self.route_trace is not None \
+            if self.overlap or self.predict_prefetch or self.predict_prompt is True or self.route_trace is not None \
                     or self.drop_cold_experts is not None or self.route_ahead is not None:
                 raise ConfigError("prefill 'expert' computes the expert nodes itself: not with overlap, "
                                   "predict_prefetch / predict_prompt, a route trace, drop_cold_experts or route_ahead")
@@ -138,7 +140,9 @@ class RunConfig:
                               "budget and a cache profile (--cache-profile)")
         if self.predict_prefetch and (self.mode != "stream" or self.cache_bytes == 0):
             raise ConfigError("predict_prefetch reads ahead into the expert cache: stream with a cache budget")
-        if self.predict_prompt and (self.mode != "stream" or self.cache_bytes == 0):
+        if self.predict_prompt not in (None, True, False):
+            raise ConfigError(f"predict_prompt must be True, False or None (auto), got {self.predict_prompt!r}")
+        if self.predict_prompt is True and (self.mode != "stream" or self.cache_bytes == 0):
             raise ConfigError("predict_prompt reads ahead into the expert cache: stream with a cache budget")
         if self.overlap and self.mode != "stream":
             raise ConfigError("overlap applies to streamed runs: use mode='stream'")
@@ -163,11 +167,20 @@ class RunConfig:
                 raise ConfigError(f"route_ahead must be 0..64 MoE layers, got {n}")
             if self.mode != "stream" or self.cache_bytes == 0:
                 raise ConfigError("route_ahead reads experts ahead into the cache: stream with a cache budget (cache_bytes)")
-            if self.prefetch_layers or self.predict_prefetch or self.predict_prompt:
+            if self.prefetch_layers or self.predict_prefetch or self.predict_prompt is True:
                 raise ConfigError("route_ahead already reads ahead: drop prefetch_layers / predict_prefetch / "
                                   "predict_prompt")
             if f is not None:
                 raise ConfigError("route_ahead and drop_cold_experts both rewrite the routing: pick one")
+
+    @property
+    def predicts_prompts(self) -> bool:
+        """Whether batched prompts read the next layer's predicted experts ahead (``predict_prompt``
+        resolved: auto is on when streaming with a cache and nothing else decides a prompt's reads)."""
+        if self.predict_prompt is not None:
+            return self.predict_prompt
+        return (self.mode == "stream" and self.cache_bytes != 0 and self.prefill != "expert"
+                and self.route_ahead is None and self.drop_cold_experts is None)
 
     def validate(self) -> RunConfig:
         """The config itself: it was validated when it was made (kept for callers that chain it)."""

@@ -80,6 +80,10 @@ struct bmoe_node_filter {
     int32_t unseen;
     int32_t pad2;
     int64_t unseen_hits;
+    /* A second name the narrowed filter lets through (0: none): asked "yes" here, its computed
+       node handed to Python; no fast path. A batched prompt's router node, for prediction. */
+    uint64_t also_mask;
+    uint64_t also;
 };
 
 static int bmoe_in(const uint64_t * set, int32_t n, uint64_t p) {
@@ -188,7 +192,10 @@ bool bmoe_node_filter(void * node, bool ask, void * data) {
         uint64_t tail;
         memcpy(&tail, name + sizeof head, sizeof tail);
         if ((tail & f->tail_mask) != f->tail) {
-            return false;
+            if (!f->also_mask || (tail & f->also_mask) != f->also) {
+                return false;
+            }
+            return ask ? true : f->inner(node, ask, NULL);
         }
         if (ask) {
             return !(f->fast && f->unseen && bmoe_layer_whole(f, (const char *) node, name));
@@ -215,7 +222,7 @@ class _FilterData(ctypes.Structure):
                 *((f, ctypes.c_int32) for f in ("n_ones", "n_zeros", "skip", "op_mul", "op_add", "op_none",
                                                   "op_repeat", "op_rows", "op_reshape", "op_view")),
                 ("skipped", ctypes.c_int64), ("unseen", ctypes.c_int32), ("pad2", ctypes.c_int32),
-                ("unseen_hits", ctypes.c_int64)]
+                ("unseen_hits", ctypes.c_int64), ("also_mask", ctypes.c_uint64), ("also", ctypes.c_uint64)]
 
 
 class NodeFilter:
@@ -228,17 +235,17 @@ class NodeFilter:
         self.fn = ctypes.cast(lib.bmoe_node_filter, EvalFn)
         self.data = ctypes.cast(ctypes.pointer(self._data), ctypes.c_void_p)
 
-    def narrow(self, tail: bytes | None) -> None:
-        """From now on only ``ffn_moe_<tail>...`` nodes reach Python, and only once computed (the
-        filter wants them all); None: every ``ffn_moe_*`` node again, asked and computed. Call it
-        while no decode runs: the compute thread reads the fields."""
+    def narrow(self, tail: bytes | None, also: bytes | None = None) -> None:
+        """From now on only ``ffn_moe_<tail>...`` nodes (and ``ffn_moe_<also>...`` ones, if given)
+        reach Python, and only once computed (the filter wants them all); None: every
+        ``ffn_moe_*`` node again, asked and computed. Call it while no decode runs: the compute
+        thread reads the fields."""
+        d = self._data
         if tail is None:
-            self._data.tail_mask = self._data.tail = 0
+            d.tail_mask = d.tail = d.also_mask = d.also = 0
             return
-        if not 0 < len(tail) <= 8:
-            raise ValueError(f"a name tail of 1 to 8 bytes, not {tail!r}")
-        self._data.tail = int.from_bytes(tail, "little")
-        self._data.tail_mask = (1 << (8 * len(tail))) - 1
+        d.tail, d.tail_mask = _name_tail(tail)
+        d.also, d.also_mask = _name_tail(also) if also is not None else (0, 0)
 
     LOG_INTS = 1 << 16  # routings logged between two drains: ~150 one-token steps at 48 layers, k = 8
 
@@ -327,6 +334,13 @@ class NodeFilter:
 _loaded: ctypes.CDLL | None = None
 _failed: str | None = None  # a build that failed in this process is not tried again at every open
 unavailable: str | None = None  # why the C filter is not in use, once that is known
+
+
+def _name_tail(tail: bytes) -> tuple[int, int]:
+    """The 8 bytes after ``ffn_moe_`` that a name must start with, as (value, mask)."""
+    if not 0 < len(tail) <= 8:
+        raise ValueError(f"a name tail of 1 to 8 bytes, not {tail!r}")
+    return int.from_bytes(tail, "little"), (1 << (8 * len(tail))) - 1
 
 
 def node_filter(inner: EvalFn) -> NodeFilter | None:

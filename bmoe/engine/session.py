@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from bmoe.engine.blas import hold_one_blas_thread, release_blas_threads
 from bmoe.engine.callback import Capture, Consumption, EvalCallback
 from bmoe.engine.config import RunConfig
 from bmoe.engine.expert_major import GROUP_EXPERTS, ExpertMajor, Shapes
@@ -62,7 +63,7 @@ from bmoe.pipeline.hooks import Hooks
 from bmoe.pipeline.pressure import PressureGuard
 from bmoe.stages.compute import ComputeStage, compute_thread, on_compute_thread
 from bmoe.stages.dense import AnonDense
-from bmoe.stages.predict import Predictor, load_routers
+from bmoe.stages.predict import LiveRouters, Predictor, router_name
 
 _EXPERT_TENSOR = re.compile(rb"^blk\.(\d+)\.([a-z_]+_exps)\.weight$")
 
@@ -148,6 +149,7 @@ class Session:
         self._generations = 0
         self._recorder: RouteRecorder | None = None
         self._closed = False
+        self._blas_held = False
         self._decoding = False
         self._cancel_requested = False
         self._kv: list[int] | None = []  # tokens the context holds; None: unknown (cleared next)
@@ -193,14 +195,15 @@ class Session:
                 parts = StreamParts.live(layout, tensors, config, dense_in_file=opened.open_mode != "user",
                                          n_batch=model.n_batch)
                 overlap = _plan_overlap(model, callback, layout, tensors) if config.overlap else None
-                predicting = config.predict_prefetch or config.predict_prompt
-                predictor = Predictor(load_routers(layout), layout.n_expert_used, final_layer=layout.main_layers - 1) \
-                    if predicting else None
+                predictor = None
+                if config.predict_prefetch or config.predicts_prompts:
+                    routers = LiveRouters(layout, _router_addresses(layout, opened, model, config))
+                    predictor = Predictor(routers, layout.n_expert_used, final_layer=layout.main_layers - 1)
                 if config.route_trace is not None:
                     recorder = RouteRecorder(config.route_trace, layout, _run_line(config, parts))
                 modes = ComputeModes(
                     overlap=overlap, predictor=predictor, predict_steps=config.predict_prefetch,
-                    predict_batches=config.predict_prompt, lookahead=config.prefetch_layers,
+                    predict_batches=config.predicts_prompts, lookahead=config.prefetch_layers,
                     tap=recorder.tap if recorder is not None else None,
                     weights_tap=recorder.tap_weights if recorder is not None else None,
                 )
@@ -228,6 +231,9 @@ class Session:
             raise
         session = cls(layout, config, model, callback, opened, streamer, dense)
         session._recorder = recorder
+        if streaming and (config.predict_prefetch or config.predicts_prompts or config.route_ahead is not None):
+            hold_one_blas_thread()  # router products on the compute thread (bmoe.engine.blas)
+            session._blas_held = True
         io_after = read_io_bytes()
         if io_before is not None and io_after is not None:
             session.open_bytes_read = io_after - io_before  # the index, the model, any capture
@@ -643,6 +649,9 @@ class Session:
             self._dense.close()
             self._dense = None
         self._model.close()
+        if self._blas_held:
+            self._blas_held = False
+            release_blas_threads()
 
     async def __aenter__(self) -> Session:
         return self
@@ -687,6 +696,16 @@ def _run_line(config: RunConfig, parts: StreamParts) -> dict[str, object]:
         "engine": "bmoe", "cache_bytes": parts.cache.budget_bytes, "policy": parts.cache.policy_name,
         "io_threads": config.io_threads, "io": parts.reader.mode, "threads": config.threads,
     }
+
+
+def _router_addresses(layout: ModelLayout, opened: OpenedModel, model: LlamaModel, config: RunConfig) -> dict[int, int]:
+    """Per MoE layer, llama.cpp's router tensor (the predictors read it in place): from the user
+    open's tensor callback, else found by a throwaway one-token decode, as ``_anon_dense`` does."""
+    names = {router_name(il): il for il in layout.moe_layers}
+    if opened.tensors:
+        return {il: opened.tensors[n] for n, il in names.items() if n in opened.tensors}
+    found = on_compute_thread(lambda: capture_weights(model.model, names, n_threads=config.threads))
+    return {names[n]: addrs[0] for n, addrs in found.items() if addrs}
 
 
 def _anon_dense(layout: ModelLayout, opened: OpenedModel, model: LlamaModel, config: RunConfig) -> AnonDense:

@@ -7,27 +7,42 @@ eval callback hands over layer l's router input at ``ffn_moe_logits-<il>`` (its 
 prediction runs there on the compute thread (one small matrix-vector product), and the predicted
 experts go to the prefetch stage as read-ahead. Each prediction is scored against the routing the
 layer then really chooses, per layer.
+
+A session reads the routers in place (``LiveRouters``: views of llama.cpp's own F32 router
+tensors, no copy), since a copy costs memory the cache budget did not count: 50 MB for a
+Qwen3-30B-A3B, 425 MB for a DeepSeek-V3. ``load_routers`` reads them from the file (replays, and
+router types other than F32).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 from collections import deque
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from bmoe.io.ggml import GgmlTensor
 from bmoe.io.layout import ModelLayout
 
+_GGML_TYPE_F32 = 0
 
-def load_routers(layout: ModelLayout) -> dict[int, np.ndarray]:
-    """Per MoE layer, its router as float32 [n_expert, n_embd], read from the file once."""
+
+def router_name(layer: int) -> str:
+    return f"blk.{layer}.ffn_gate_inp.weight"
+
+
+def load_routers(layout: ModelLayout, layers: tuple[int, ...] | None = None) -> dict[int, np.ndarray]:
+    """Per MoE layer (of ``layers``, default all), its router as float32 [n_expert, n_embd], read
+    from the file once."""
     routers = {}
     fds = [os.open(p, os.O_RDONLY) for p in layout.shards]
     try:
-        for il in layout.moe_layers:
-            span = layout.tensors.get(f"blk.{il}.ffn_gate_inp.weight")
+        for il in layout.moe_layers if layers is None else layers:
+            span = layout.tensors.get(router_name(il))
             if span is None:
                 continue
             raw = os.pread(fds[span.shard], span.nbytes, span.offset)
@@ -37,6 +52,43 @@ def load_routers(layout: ModelLayout) -> dict[int, np.ndarray]:
         for fd in fds:
             os.close(fd)
     return routers
+
+
+class LiveRouters(Mapping[int, np.ndarray]):
+    """Per MoE layer, its router as float32 [n_expert, n_embd]: a view of llama.cpp's own tensor
+    (``addresses``: layer -> ggml_tensor) when it is F32, as llama-quantize leaves routers, else
+    dequantised from the file. Each is made on first use, on the compute thread, so a view sees
+    where the open finally put the dense weights (``AnonDense`` moves them after the capture)."""
+
+    def __init__(self, layout: ModelLayout, addresses: Mapping[int, int]) -> None:
+        self._layout = layout
+        self._addresses = dict(addresses)
+        self._layers = tuple(il for il in layout.moe_layers if router_name(il) in layout.tensors)
+        self._made: dict[int, np.ndarray] = {}
+
+    def __getitem__(self, layer: int) -> np.ndarray:
+        made = self._made.get(layer)
+        if made is None:
+            if layer not in self._layers:
+                raise KeyError(layer)
+            made = self._made[layer] = self._view(layer)
+        return made
+
+    def _view(self, layer: int) -> np.ndarray:
+        addr = self._addresses.get(layer)
+        t = GgmlTensor.from_address(addr) if addr else None
+        if t is None or t.type != _GGML_TYPE_F32 or not t.data or t.nb[0] != 4:
+            return load_routers(self._layout, (layer,))[layer]
+        n_embd, n_expert, row = t.ne[0], t.ne[1], t.nb[1]
+        span = (n_expert - 1) * row + n_embd * 4
+        return np.ndarray((n_expert, n_embd), np.float32, (ctypes.c_char * span).from_address(t.data),
+                          strides=(row, 4))
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._layers)
+
+    def __len__(self) -> int:
+        return len(self._layers)
 
 
 class Predictor:
@@ -51,7 +103,7 @@ class Predictor:
     TRUST_PCT = 80.0
     RECENT = 8  # predictions per layer the trust looks back on
 
-    def __init__(self, routers: dict[int, np.ndarray], k: int, final_layer: int | None = None) -> None:
+    def __init__(self, routers: Mapping[int, np.ndarray], k: int, final_layer: int | None = None) -> None:
         self._routers = routers
         self._k = k
         # llama.cpp runs the model's final layer on the rows whose logits it outputs only (a

@@ -86,9 +86,12 @@ class ReadQueue:
             return [real.popleft() for _ in range(-(-run // (idle + 1)))]
         if not self._spec:
             return []
-        layer, _, expert = next(iter(self._spec))
-        keys = [ExpertKey(layer, p, expert) for p in range(MAX_PROJ)]
-        return [self._spec.pop(k) for k in keys if k in self._spec]
+        experts = list(dict.fromkeys((key.layer, key.expert) for key in self._spec))
+        out: list[ReadJob] = []
+        for layer, expert in experts[: -(-len(experts) // (idle + 1))]:
+            keys = [ExpertKey(layer, p, expert) for p in range(MAX_PROJ)]
+            out.extend(self._spec.pop(k) for k in keys if k in self._spec)
+        return out
 
     def drop_speculative(self) -> list[ReadJob]:
         """Empty the speculative queue (the stream ended: their layers have run) and return it."""
