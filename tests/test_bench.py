@@ -122,6 +122,13 @@ def test_bench_json_and_files_under_a_ram_limit(model: Path, tmp_path: Path, mon
         fresh_ratio = result["device_read_mb_s"] / result["device_read_fresh_mb_s"]
         assert f["floor_fresh_s"] > 0 and f["ttft_over_floor_fresh"] > 0
         assert (f["floor_fresh_s"] - f["floor_s"]) * (fresh_ratio - 1) >= -2e-3, "slower fresh rate: a higher floor"
+    for key, floors in (("ttft_no_predict_s", floor), ("ttft_cold_no_predict_s", cold_floor)):
+        # the auto run reads prompts ahead: the same prompts without it, side by side, give the
+        # floors their compute (reads and compute in turn there)
+        assert set(result[key]) == set(ttft) and key in result["how"], key
+        for k, f in floors.items():
+            assert f["compute_from"] == "no read-ahead run" and f["ttft_no_predict_s"] == result[key][k]
+            assert f["ttft_over_no_predict"] > 0
     assert result["probe_fresh"]["fresh"] and result["probe_fresh"]["lanes"] == 2 * result["config"]["io_threads"]
     assert [(r["budget_mb"], r["status"]) for r in result["budget_sweep"]] == [(1.0, "measured"), (4.0, "measured")]
     assert all(r["tok_per_s"] > 0 and r["hit_pct"] is not None for r in result["budget_sweep"])

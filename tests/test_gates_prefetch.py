@@ -92,6 +92,27 @@ def test_prompt_prediction_equals_resident_and_reads_ahead_in_the_prompt(tiny, s
         assert plain == tokens and not plain_stats.prefetch_issued, "no prediction, no read-ahead"
 
 
+@pytest.mark.parametrize("wtype", ["f32", "q8_0"])
+def test_the_predictor_reads_llama_cpp_routers_in_place(tiny, wtype: str) -> None:
+    """F32 routers are views of llama.cpp's own tensors (no copy the budget never counted); other
+    types are dequantised from the file. Either way they are the file's routers."""
+    import numpy as np
+
+    from bmoe.io.ggml import GgmlTensor
+    from bmoe.stages.predict import load_routers
+
+    path = tiny.path(TinySpec(n_embd=256, n_ff=256, n_layer=4, wtype=wtype))
+    with Session.open(path, RunConfig(n_ctx=256, cache_bytes=14 * MiB)) as s:
+        routers = s._streaming.modes.predictor._routers
+        from_file = load_routers(s.layout)
+        assert sorted(routers) == sorted(from_file) == [0, 1, 2, 3]
+        for il, expected in from_file.items():
+            got = routers[il]
+            tensor = GgmlTensor.from_address(routers._addresses[il])
+            assert (got.ctypes.data == tensor.data) == (wtype == "f32"), "in place exactly when llama.cpp holds F32"
+            np.testing.assert_array_equal(got, expected)
+
+
 def test_prompt_prediction_needs_a_cache_and_not_expert_major() -> None:
     with pytest.raises(ConfigError, match="cache budget"):
         RunConfig(predict_prompt=True, cache_bytes=0)

@@ -520,7 +520,28 @@ async def _bmoe_child(spec: dict[str, Any], checkpoint: Callable[[dict[str, Any]
         checkpoint(out | {"partial": "during the cold time-to-first-token prompts: those are missing",
                           "peak_rss_bytes": peak_rss_bytes()})
         out["ttft_cold_s"], out["ttft_cold_detail"] = await _ttft_cold(spec, config, lengths)
+    if lengths and config.predicts_prompts:
+        # The same prompts with the prompt's read-ahead off, side by side: its reads and compute
+        # run in turn, so wall less wait is the compute the floors take (with read-ahead on, the
+        # wall less the wait also holds the reads the compute hid).
+        serial = dataclasses.replace(config, predict_prompt=False)
+        checkpoint(out | {"partial": "during the prompts without read-ahead: those are missing",
+                          "peak_rss_bytes": peak_rss_bytes()})
+        out["ttft_no_predict_s"], out["ttft_no_predict_detail"] = await _ttft_replayed(spec, serial, lengths)
+        out["ttft_cold_no_predict_s"], out["ttft_cold_no_predict_detail"] = await _ttft_cold(spec, serial, lengths)
     return out
+
+
+async def _ttft_replayed(spec: dict[str, Any], config: Any, lengths: Any) -> tuple[Any, Any]:
+    """The warm prompts again in a fresh session of ``config`` with the same history as the
+    measured run's (its warm-up, then its measured generation), so the cache starts alike."""
+    from bmoe.engine.session import Session
+
+    with Session.open(spec["model"], config) as s:
+        if spec["warmup_tokens"] > 0:
+            await s.generate(spec["warmup_prompt"], spec["warmup_tokens"], stop_at_end=False)
+        await s.generate(spec["prompt"], spec["tokens"], stop_at_end=False)
+        return await _ttft(s, lengths)
 
 
 def _map_count() -> int | None:
@@ -785,18 +806,24 @@ def _row(run: Run, reference: list[int] | None, ref_id: str | None) -> dict[str,
 
 
 def _ttft_floor(detail: Mapping[str, Mapping[str, Any]] | None, device_mib_s: float | None,
-                fresh_mib_s: float | None = None) -> dict[str, dict[str, float | None]] | None:
+                fresh_mib_s: float | None = None,
+                serial: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, dict[str, float | None]] | None:
     """Each time to first token against its physical floor: its reads at the device's rate plus its
     compute. Null when the device rate or the prefill's read figures are unmeasured. Beside it,
     the floor of the same reads where those that landed in fresh pages go at the probe's rate
-    into fresh pages: a fresh cache's first prompt pays the machine's first touch of its memory."""
+    into fresh pages: a fresh cache's first prompt pays the machine's first touch of its memory.
+
+    The compute is the prefill's wall less its wait on reads, from ``serial`` (the same prompt run
+    without read-ahead, reads and compute in turn) where it has the prompt: with read-ahead, the
+    reads it hid behind the compute would count as compute."""
     if not detail or not device_mib_s:
         return None
     out: dict[str, dict[str, float | None]] = {}
     for key, d in detail.items():
         if d.get("bytes_read") is None or d.get("blocked_s") is None:
             continue
-        compute = max(0.0, d["prefill_s"] - d["blocked_s"])
+        alone = (serial or {}).get(key) or d
+        compute = max(0.0, alone["prefill_s"] - (alone.get("blocked_s") or 0.0))
         floor = d["bytes_read"] / MiB / device_mib_s + compute
         fresh_floor = None
         if fresh_mib_s and d.get("recycled_bytes") is not None:
@@ -807,7 +834,11 @@ def _ttft_floor(detail: Mapping[str, Mapping[str, Any]] | None, device_mib_s: fl
                     "compute_s": _r(compute, 3), "hit_pct": _r(d.get("hit_pct"), 1),
                     "ttft_over_floor": _r(d["prefill_s"] / floor, 3) if floor > 0 else None,
                     "floor_fresh_s": _r(fresh_floor, 3),
-                    "ttft_over_floor_fresh": _r(d["prefill_s"] / fresh_floor, 3) if fresh_floor else None}
+                    "ttft_over_floor_fresh": _r(d["prefill_s"] / fresh_floor, 3) if fresh_floor else None,
+                    "compute_from": "no read-ahead run" if alone is not d else "this run"}
+        if alone is not d:
+            out[key]["ttft_no_predict_s"] = _r(alone["prefill_s"], 3)
+            out[key]["ttft_over_no_predict"] = _r(d["prefill_s"] / alone["prefill_s"], 3) if alone["prefill_s"] else None
     return out or None
 
 
@@ -905,16 +936,23 @@ def summarize(runs: list[Run], probes: list[dict[str, Any]], layout: Any, opts: 
     }
     for key, text in first_token_how.items():  # ttft_s, ttft_floor; ttft_cold_s, ttft_cold_floor
         floor_key = key.replace("_s", "_floor")
+        serial_key = key.replace("_s", "_no_predict_s")
         out[key] = {k: _r(v, 3) for k, v in auto[key].items()} if auto.get(key) else None
         how[key] = text
         if out[key] is None:
             notes[key] = f"stream_auto: {rows_by['stream_auto']['notes'] or 'no --ttft lengths fit the context'}"
+        out[serial_key] = {k: _r(v, 3) for k, v in auto[serial_key].items()} if auto.get(serial_key) else None
+        how[serial_key] = (f"as {key}, with the prompt's read-ahead off (--no-predict-prompt), in a session of the "
+                           "same history, right after: reads and compute in turn")
+        if out[serial_key] is None:
+            notes[serial_key] = "not measured (the auto run does not read prompts ahead, or no --ttft lengths)"
         out[floor_key] = _ttft_floor(auto.get(key.replace("_s", "_detail")), out["device_read_mb_s"],
-                                     out["device_read_fresh_mb_s"])
-        how[floor_key] = ("per prompt length: floor_s = the bytes that prefill read (what the cache did not hold; "
-                          "O_DIRECT supersets included) at device_read_mb_s, plus its compute (prefill wall time less "
-                          "the compute thread's wait on reads: the streamed compute standing in for the resident "
-                          f"one); ttft_over_floor = {key} / floor_s. floor_fresh_s: the same, with the bytes that "
+                                     out["device_read_fresh_mb_s"], auto.get(serial_key.replace("_s", "_detail")))
+        how[floor_key] = ("per prompt length: floor_s = the bytes that prefill read (what the cache did not hold, "
+                          "read-ahead included; O_DIRECT supersets included) at device_read_mb_s, plus its compute "
+                          "(prefill wall time less the compute thread's wait on reads, from the same prompt without "
+                          f"read-ahead where measured: compute_from); ttft_over_floor = {key} / floor_s; "
+                          f"ttft_over_no_predict = {key} / {serial_key}. floor_fresh_s: the same, with the bytes that "
                           "landed in pages faulted in on the read (read less recycled) at device_read_fresh_mb_s "
                           "(null when unmeasured); the issue's target is judged on floor_s")
         if out[floor_key] is None:
@@ -1012,11 +1050,14 @@ def _extras_markdown(result: dict[str, Any]) -> list[str]:
             continue
         floor = result.get(key.replace("_s", "_floor")) or {}
         out += [f"## Time to first token (auto budget, {what})", "",
-                "| prompt tokens | seconds | floor s | over floor | floor s, fresh pages | over that floor |",
-                "|---|---|---|---|---|---|"]
-        cols = ("floor_s", "ttft_over_floor", "floor_fresh_s", "ttft_over_floor_fresh")
+                "| prompt tokens | seconds | floor s | over floor | floor s, fresh pages | over that floor "
+                "| seconds without read-ahead | with / without |",
+                "|---|---|---|---|---|---|---|---|"]
+        cols = ("floor_s", "ttft_over_floor", "floor_fresh_s", "ttft_over_floor_fresh", "ttft_no_predict_s",
+                "ttft_over_no_predict")
         cells = lambda k: (_cell(floor.get(k, {}).get(c)) for c in cols)  # noqa: E731
-        out += ["| {} | {} | {} | {} | {} | {} |".format(k, v, *cells(k)) for k, v in result[key].items()] + [""]
+        out += ["| {} | {} | {} | {} | {} | {} | {} | {} |".format(k, v, *cells(k))
+                for k, v in result[key].items()] + [""]
     if result.get("budget_sweep"):
         out += ["## Budget sweep (fixed, forced, guard off)", "", "| budget MiB | tok/s | hit % | peak RSS MiB | status |",
                 "|---|---|---|---|---|"]
