@@ -33,9 +33,10 @@ from tests.helpers import PROMPT
 N = 12
 CONFIGS = {
     "serial-cache-off": RunConfig(n_ctx=256),
-    "serial-cache-on": RunConfig(n_ctx=256, cache_bytes=4 * MiB),
+    # No read-ahead of any kind (a prompt's is on by default with a cache): every read is waited for.
+    "serial-cache-on": RunConfig(n_ctx=256, cache_bytes=4 * MiB, predict_prompt=False),
     "overlap-cache-off": RunConfig(n_ctx=256, overlap=True),
-    "overlap-cache-on": RunConfig(n_ctx=256, overlap=True, cache_bytes=4 * MiB),
+    "overlap-cache-on": RunConfig(n_ctx=256, overlap=True, cache_bytes=4 * MiB, predict_prompt=False),
     "read-ahead": RunConfig(n_ctx=256, cache_bytes=4 * MiB, predict_prefetch=True, prefetch_layers=1),
     "prompt-read-ahead": RunConfig(n_ctx=256, cache_bytes=14 * MiB, predict_prompt=True, prefill="batch"),
 }

@@ -231,7 +231,7 @@ class Session:
             raise
         session = cls(layout, config, model, callback, opened, streamer, dense)
         session._recorder = recorder
-        if streaming and (config.predict_prefetch or config.predicts_prompts or config.route_ahead is not None):
+        if streamer is not None and (streamer.modes.predictor is not None or config.route_ahead is not None):
             hold_one_blas_thread()  # router products on the compute thread (bmoe.engine.blas)
             session._blas_held = True
         io_after = read_io_bytes()

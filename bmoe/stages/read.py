@@ -51,8 +51,8 @@ class ReadQueue:
     speculative one only hopes to be needed. A promotion (a key sent alone) moves its queued
     speculative read to the real queue, since a layer now waits for it. A lane takes a batch, one
     thread hop per batch: its fair share (over itself and the lanes idle now) of the queued run of
-    one (layer, projection), the unit overlap waits on, or else every queued projection of one
-    speculative expert."""
+    one (layer, projection), the unit overlap waits on, or else of the queued speculative experts,
+    each with every queued projection (a prompt's read-ahead queues a layer's worth at once)."""
 
     def __init__(self) -> None:
         self._real: deque[ReadJob] = deque()
