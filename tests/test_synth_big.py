@@ -173,9 +173,38 @@ def test_unknown_like_is_a_clear_error(tmp_path: Path) -> None:
     args = parser.parse_args(["synth", str(tmp_path / "x.gguf"), "--like", "qwen9-moe"])
     with pytest.raises(ConfigError, match="unknown model"):
         args.func(args)
-    for bad in ({"n_layer": 0}, {"wtype": "f16"}, {"seed": -1}, {"n_expert_used": 129}):
+    for bad in ({"n_layer": 0}, {"wtype": "f16"}, {"seed": -1}, {"n_expert_used": 129},
+                {"route_drift": -0.1}, {"route_drift": float("nan")}, {"route_drift": 0.3, "skew": False}):
         with pytest.raises(ConfigError):
             SynthSpec(like="qwen3-30b-a3b", **bad).validate()
+    with pytest.raises(ConfigError, match="residual stream's measured RMS"):
+        SynthSpec(like="qwen1.5-moe-a2.7b", route_drift=0.3).validate()
+
+
+def predicted(path: Path) -> tuple[list[int], dict[int, float]]:
+    """Greedy tokens streamed with the decode's read-ahead, and its per-layer scores."""
+    async def go() -> tuple[list[int], dict[int, float]]:
+        config = RunConfig(mode="stream", n_ctx=256, cache_bytes=1 << 30, predict_prefetch=True,
+                           predict_prompt=False)
+        with Session.open(path, config) as s:
+            g = await s.generate(PROMPT, N_TOKENS, stop_at_end=False)
+            return g.tokens, g.stats.predict_accuracy_pct
+
+    return asyncio.run(go())
+
+
+def test_route_drift_makes_the_one_layer_early_guess_fallible(model, tmp_path: Path) -> None:
+    """Without drift nothing writes what the routers read, so layer 1's routing is predicted from
+    layer 0's input without a miss; with drift the guess misses some experts, the tokens stay the
+    resident run's, and the routers' own inputs are unchanged where no drift head writes."""
+    _, exact = predicted(model("q4_0"))
+    assert exact == {1: 100.0}
+    path = write_synth(tmp_path / "drift.gguf",
+                       SynthSpec(like="qwen3-30b-a3b", n_layer=3, wtype="q4_0", route_drift=0.5))
+    tokens, drift = predicted(path)
+    assert set(drift) == {1, 2}
+    assert all(30.0 < pct < 95.0 for pct in drift.values()), drift
+    assert tokens == generate(path, "resident")
 
 
 def test_quant_blocks_have_the_intended_scale() -> None:

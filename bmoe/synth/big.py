@@ -32,6 +32,18 @@ previous-token head, as real models have). Each layer's router reads only these 
 expert's logit alike, so top-k is exactly this). ``sigma_b`` sets the popularity skew and ``alpha``
 the step-to-step reuse beyond it; both come per layer from ``shapes.ROUTING_PROFILES``, fitted to
 the real trace (see ``RoutingProfile``). Without skew every router is a plain random matrix.
+
+Route drift (``route_drift`` gamma, off by default): with skew alone no layer writes to what the
+routers read, so layer l+1's router applied to layer l's router input predicts l+1's routing
+exactly, and bmoe's read-ahead (``bmoe.stages.predict``) is always right - a best case no real
+model gives. With drift, ``r`` more reserved dims hold ``D_l = R_l g_t`` (``g_t`` the token part
+above, ``R_l`` a random matrix per layer) and each router adds ``gamma * v_e . D_l`` (the token part
+rescaled by ``1 / sqrt(1 + gamma^2)``, so popularity and step reuse keep their fitted values): one
+head of every layer l >= 1 attends to its own token and writes ``R_l g_t - R_{l-1} g_t`` there,
+scaled by the residual stream's measured RMS at that depth (``shapes.RESIDUAL_RMS``) so the RMS
+norm lands it at unit size. A prediction made one layer early then sees the previous layer's
+``D``; gamma sets how often it is wrong (about 91 % of a token's experts right at 0.1, 76 % at 0.3,
+by simulation of these logits; ``bench/route_drift.py`` measures it on the file).
 """
 
 from __future__ import annotations
@@ -63,7 +75,13 @@ from gguf import (
 
 from bmoe.errors import ConfigError
 from bmoe.synth.families import FAMILIES
-from bmoe.synth.shapes import ROUTING_PROFILES, MoeShape, get_shape
+from bmoe.synth.shapes import (
+    RESIDUAL_RMS,
+    ROUTING_PROFILES,
+    MoeShape,
+    get_shape,
+    residual_rms,
+)
 from bmoe.synth.tiny import write_moe_keys
 from bmoe.synth.vocab import (
     CONTROL_IDS,
@@ -109,6 +127,7 @@ class SynthSpec:
     seed: int = 0
     skew: bool = True  # routers structured after the real trace; False: plain random routers
     n_expert_used: int | None = None  # None: the real top-k (a replay may want another)
+    route_drift: float = 0.0  # gamma: how far each layer moves what the routers read (module doc)
 
     def validate(self) -> MoeShape:
         shape = get_shape(self.like)
@@ -118,6 +137,13 @@ class SynthSpec:
             raise ConfigError(f"--layers must be in [1, 1024], got {self.n_layer}")
         if self.seed < 0 or self.seed >= 2**63:
             raise ConfigError(f"--seed must be in [0, 2^63), got {self.seed}")
+        if not (math.isfinite(self.route_drift) and 0.0 <= self.route_drift <= 10.0):
+            raise ConfigError(f"--route-drift must be in [0, 10], got {self.route_drift}")
+        if self.route_drift and not self.skew:
+            raise ConfigError("--route-drift moves the structured routers' inputs: it needs skew (drop --no-skew)")
+        if self.route_drift and shape.name not in RESIDUAL_RMS:
+            raise ConfigError(f"--route-drift needs the residual stream's measured RMS per layer, which "
+                              f"is known for {', '.join(RESIDUAL_RMS)} only (bench/residual_rms.py measures it)")
         if self.n_expert_used is not None and not 1 <= self.n_expert_used <= shape.n_expert:
             raise ConfigError(
                 f"experts used must be in [1, {shape.n_expert}] for {shape.name}, got {self.n_expert_used}")
@@ -275,9 +301,11 @@ def _set_rows(rows: dict[int, np.ndarray]) -> Patch | None:
 
 @dataclass(frozen=True)
 class _Layout:
-    """Dims of the residual stream reserved for routing (skew only): nobody writes to them."""
+    """Dims of the residual stream reserved for routing (skew only): only the designed heads write
+    to them (layer 0's previous-token head; with drift, each later layer's own-token head)."""
 
     r: int = ROUTER_FEATURES
+    drifts: bool = False
 
     @property
     def const(self) -> int:
@@ -292,24 +320,46 @@ class _Layout:
         return slice(1 + self.r, 1 + 2 * self.r)
 
     @property
+    def drift(self) -> slice:  # D_l (route drift): written by head 0 of each layer >= 1
+        return slice(1 + 2 * self.r, 1 + 3 * self.r)
+
+    @property
+    def written(self) -> int:
+        """Reserved dims the embedding leaves at zero (the heads fill them)."""
+        return self.r * (2 if self.drifts else 1)
+
+    @property
     def reserved(self) -> int:
-        return 1 + 2 * self.r
+        return 1 + (3 if self.drifts else 2) * self.r
 
 
-def _prev_head_qk(head_dim: int, rope_theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """q and k of the previous-token head (NEOX RoPE: pair i is dims i and i + head_dim/2).
+def _head_qk(head_dim: int, rope_theta: float, lag: int) -> tuple[np.ndarray, np.ndarray]:
+    """q and k of a head that attends ``lag`` tokens back (NEOX RoPE: pair i is dims i and
+    i + head_dim/2): the previous-token head (lag 1) or the own-token head of route drift (lag 0).
 
-    q_i = 1 and k_i = e^{i theta_i} on the PREV_PAIRS fastest pairs: after RoPE the score between
-    positions t and j is sum_i cos((t - j - 1) theta_i), largest at t - j = 1.
+    q_i = 1 and k_i = e^{i lag theta_i} on the PREV_PAIRS fastest pairs: after RoPE the score
+    between positions t and j is sum_i cos((t - j - lag) theta_i), largest at t - j = lag.
     """
     half = head_dim // 2
     theta = rope_theta ** (-2.0 * np.arange(PREV_PAIRS) / head_dim)
     q = np.zeros(head_dim)
     k = np.zeros(head_dim)
     q[:PREV_PAIRS] = 1.0
-    k[:PREV_PAIRS] = np.cos(theta)
-    k[half:half + PREV_PAIRS] = np.sin(theta)
+    k[:PREV_PAIRS] = np.cos(lag * theta)
+    k[half:half + PREV_PAIRS] = np.sin(lag * theta)
     return q, k
+
+
+def _drift_rows(seed: int, layer: int, lay: _Layout, alpha: float, n_embd: int) -> np.ndarray:
+    """``c R_l`` on the token's features and ``c alpha R_l`` on the previous token's, ``c = 1 /
+    sqrt(1 + alpha^2)``: row j maps the routing dims to ``(D_l)_j = (R_l g_t)_j`` at unit variance."""
+    g = _gen(seed, f"blk.{layer}.route_drift")
+    R = g.standard_normal((lay.r, lay.r)) / math.sqrt(lay.r)
+    c = 1.0 / math.sqrt(1.0 + alpha * alpha)
+    rows = np.zeros((lay.r, n_embd))
+    rows[:, lay.feat] = c * R
+    rows[:, lay.prev] = c * alpha * R
+    return rows
 
 
 def plan(spec: SynthSpec, shape: MoeShape, vocab: Vocab) -> list[PlannedTensor]:
@@ -320,12 +370,13 @@ def plan(spec: SynthSpec, shape: MoeShape, vocab: Vocab) -> list[PlannedTensor]:
     F, Fsh, X = shape.n_ff_exp, shape.n_ff_shexp, shape.n_expert
     qd, kvd = shape.q_dim, shape.kv_dim
     n_layer = spec.layers(shape)
-    lay = _Layout()
     skew = spec.skew
+    lay = _Layout(drifts=skew and spec.route_drift > 0)
     profile: list[tuple[float, float]] = (
         ROUTING_PROFILES[shape.name].for_layers(n_layer) if skew else [])
-    # RMS of an embedding row: const ~1, r unit features, r zeros, the rest unit variance.
-    rms_embd = math.sqrt((E - lay.r) / E) if skew else 1.0
+    # RMS of an embedding row: const ~1, r unit features, r (2r with drift) zeros, the rest unit
+    # variance.
+    rms_embd = math.sqrt((E - lay.written) / E) if skew else 1.0
     out: list[PlannedTensor] = []
 
     def mat(name: str, shp: tuple[int, ...], std: float, patch: Patch | None = None,
@@ -350,13 +401,13 @@ def plan(spec: SynthSpec, shape: MoeShape, vocab: Vocab) -> list[PlannedTensor]:
         out.append(_f32(name, shp, make))
 
     # Embeddings: the random quants of the reserved dims already are the token's features (unit
-    # variance, like every other dim); set the constant, and zero the previous-token dims.
+    # variance, like every other dim); set the constant, and zero the dims the heads write.
     def embd_patch(chunk: np.ndarray, r0: int, e: int) -> None:
         blocks = chunk.reshape(chunk.shape[0], E // QK, 34)
         c = lay.const
         blocks[:, c // QK, 1] &= np.uint8(0x7F)  # positive scale (fp16 sign bit) for the constant
         blocks[:, c // QK, 2 + c % QK] = _CONST_QUANT
-        lo, hi = lay.prev.start, lay.prev.stop
+        lo, hi = lay.prev.start, lay.prev.start + lay.written
         for b in range(lo // QK, -(-hi // QK)):
             a, z = max(lo, b * QK), min(hi, (b + 1) * QK)
             blocks[:, b, 2 + a - b * QK:2 + z - b * QK] = 0
@@ -367,7 +418,10 @@ def plan(spec: SynthSpec, shape: MoeShape, vocab: Vocab) -> list[PlannedTensor]:
 
     for il in range(n_layer):
         p = f"blk.{il}."
-        designed = skew and il == 0  # the previous-token head lives in layer 0
+        # Head 0 is designed in layer 0 (the previous-token head) and, with drift, in every later
+        # layer (the own-token head writing D_l).
+        drift_head = lay.drifts and il >= 1
+        designed = skew and il == 0 or drift_head
         ones(p + "attn_norm.weight", E)
 
         q_rows: dict[int, np.ndarray] = {}
@@ -375,15 +429,21 @@ def plan(spec: SynthSpec, shape: MoeShape, vocab: Vocab) -> list[PlannedTensor]:
         v_rows: dict[int, np.ndarray] = {}
         q_zero = k_zero = 0
         if designed:
-            q_vec, k_vec = _prev_head_qk(hd, shape.rope_theta)
+            q_vec, k_vec = _head_qk(hd, shape.rope_theta, lag=0 if drift_head else 1)
             if shape.qkv_bias:  # q and k come from the biases: zero the head's weight rows
                 q_zero, k_zero = hd, hd
             else:  # q and k read the constant dim; attn_q_norm / attn_k_norm normalise them
                 for i in range(hd):
                     q_rows[i] = _one_hot(E, lay.const, q_vec[i])
                     k_rows[i] = _one_hot(E, lay.const, k_vec[i])
-            for j in range(hd):  # head 0's values: the token's features, scaled by 1 / rms_embd
-                v_rows[j] = _one_hot(E, lay.feat.start + j, 1.0) if j < lay.r else np.zeros(E)
+            if drift_head:  # R_l g_t less the R_{l-1} g_t that layer l-1 wrote (none by layer 0)
+                rows = _drift_rows(seed, il, lay, profile[il][1], E)
+                if il >= 2:
+                    rows = rows - _drift_rows(seed, il - 1, lay, profile[il - 1][1], E)
+                v_rows = {j: rows[j] for j in range(lay.r)}
+            else:  # the previous-token head's values: the token's features, scaled by 1 / rms_embd
+                v_rows = {j: _one_hot(E, lay.feat.start + j, 1.0) for j in range(lay.r)}
+            v_rows |= {j: np.zeros(E) for j in range(lay.r, hd)}
         mat(p + "attn_q.weight", (qd, E), E ** -0.5, _zero_rows(0, q_zero, _set_rows(q_rows)))
         mat(p + "attn_k.weight", (kvd, E), E ** -0.5, _zero_rows(0, k_zero, _set_rows(k_rows)))
         mat(p + "attn_v.weight", (kvd, E), E ** -0.5, _set_rows(v_rows))
@@ -399,15 +459,21 @@ def plan(spec: SynthSpec, shape: MoeShape, vocab: Vocab) -> list[PlannedTensor]:
             normal(p + "attn_k.bias", (kvd,), QKV_BIAS_STD, head0(k_vec) if designed else None)
             normal(p + "attn_v.bias", (kvd,), QKV_BIAS_STD, head0(None) if designed else None)
         else:
-            # Norm gains on the head's RoPE pairs make its peak score PREV_GAIN * sqrt(hd) (layer 0).
+            # Norm gains on the head's RoPE pairs make its peak score PREV_GAIN * sqrt(hd).
             gain = {i: math.sqrt(PREV_GAIN) for i in _pair_dims(hd)} if designed else None
             ones(p + "attn_q_norm.weight", hd, gain)
             ones(p + "attn_k_norm.weight", hd, gain)
 
         o_patch: Patch | None = None
         if skew:
-            # Head 0 of layer 0 writes its output (the previous token's features) to the prev dims.
-            o_rows = {lay.prev.start + j: _one_hot(qd, j, rms_embd) for j in range(lay.r)} if designed else {}
+            # Head 0 of layer 0 writes its output (the previous token's features) to the prev dims;
+            # a drift head its own to the drift dims, undoing the RMS norm of the layer's input.
+            o_rows: dict[int, np.ndarray] = {}
+            if drift_head:
+                undo = residual_rms(shape.name, il)
+                o_rows = {lay.drift.start + j: _one_hot(qd, j, undo) for j in range(lay.r)}
+            elif designed:
+                o_rows = {lay.prev.start + j: _one_hot(qd, j, rms_embd) for j in range(lay.r)}
             o_patch = _zero_rows(0, lay.reserved, _set_rows(o_rows))
         mat(p + "attn_output.weight", (E, qd), qd ** -0.5, o_patch)
         ones(p + "ffn_norm.weight", E)
@@ -415,7 +481,8 @@ def plan(spec: SynthSpec, shape: MoeShape, vocab: Vocab) -> list[PlannedTensor]:
         if skew:
             sigma_b, alpha = profile[il]
             out.append(_f32(p + "ffn_gate_inp.weight", (X, E),
-                            _router(seed, p + "ffn_gate_inp.weight", X, E, lay, sigma_b, alpha)))
+                            _router(seed, p + "ffn_gate_inp.weight", X, E, lay, sigma_b, alpha,
+                                    spec.route_drift)))
         else:
             normal(p + "ffn_gate_inp.weight", (X, E), ROUTER_STD * E ** -0.5)
 
@@ -452,19 +519,23 @@ def _zero_rows_set(rows: tuple[int, ...]) -> Patch:
 
 
 def _router(seed: int, name: str, n_expert: int, n_embd: int, lay: _Layout, sigma_b: float,
-            alpha: float) -> Callable[[], np.ndarray]:
+            alpha: float, gamma: float = 0.0) -> Callable[[], np.ndarray]:
     """Router rows reading only the reserved dims (see the module doc): popularity ``b`` on the
-    constant, ``u`` on the token's features, ``alpha * u`` on the previous token's."""
+    constant, ``u`` on the token's features, ``alpha * u`` on the previous token's and, with
+    drift, ``gamma * v`` on ``D_l``; the token part is scaled to unit variance."""
 
     def make() -> np.ndarray:
         g = _gen(seed, name)
         b = g.standard_normal(n_expert)
         u = g.standard_normal((n_expert, lay.r)) / math.sqrt(lay.r)
-        c = 1.0 / math.sqrt(1.0 + alpha * alpha)
+        c = 1.0 / math.sqrt((1.0 + alpha * alpha) * (1.0 + gamma * gamma))
         w = np.zeros((n_expert, n_embd), dtype=np.float32)
         w[:, lay.const] = ROUTER_SCALE * sigma_b * b
         w[:, lay.feat] = ROUTER_SCALE * c * u
         w[:, lay.prev] = ROUTER_SCALE * c * alpha * u
+        if lay.drifts:  # D_l already has unit variance: only the 1 / sqrt(1 + gamma^2) applies
+            v = g.standard_normal((n_expert, lay.r)) / math.sqrt(lay.r)
+            w[:, lay.drift] = ROUTER_SCALE * gamma / math.sqrt(1.0 + gamma * gamma) * v
         return w
 
     return make
@@ -842,6 +913,8 @@ def describe(spec: SynthSpec) -> str:
     how = "none (plain random routers)"
     if spec.skew:
         how = f"fitted per layer from {ROUTING_PROFILES[shape.name].source}"
+        if spec.route_drift:
+            how += f", route drift {spec.route_drift:g}"
     return (f"{shape.name} ({shape.source}): {shape.arch}, {n_layer} of {shape.n_layer} layers, "
             f"{shape.n_expert} experts top-{spec.top_k(shape)}, {_expert_type(tensors)} experts, "
             f"{total / 2**30:.2f} GiB of tensors; routing skew: {how}")
@@ -870,6 +943,10 @@ def add_synth_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
                    help="top-k written to the file (default: the real one)")
     p.add_argument("--no-skew", dest="skew", action="store_false",
                    help="plain random routers (near-uniform routing, no reuse): a control")
+    p.add_argument("--route-drift", type=float, default=0.0, metavar="GAMMA",
+                   help="how much each layer moves what its router reads, so that predicting a layer's "
+                        "experts one layer early is right as often as on a real model (0: always right; "
+                        "0.1: about 91 %% of a token's experts, 0.3: about 76 %%); qwen3-30b-a3b only")
     p.set_defaults(func=_cmd_synth)
     return p
 
@@ -878,7 +955,7 @@ def _cmd_synth(args: argparse.Namespace) -> int:
     # Shapes without a routing profile (the families) get plain random routers, as describe() says.
     skew = args.skew and get_shape(args.like).name in ROUTING_PROFILES
     spec = SynthSpec(like=args.like, n_layer=args.layers, wtype=args.wtype, seed=args.seed,
-                     skew=skew, n_expert_used=args.experts_used)
+                     skew=skew, n_expert_used=args.experts_used, route_drift=args.route_drift)
     check_destination(args.out, total_bytes(spec))
     print(describe(spec), file=sys.stderr)
     from tqdm import tqdm

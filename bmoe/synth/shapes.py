@@ -289,3 +289,25 @@ ROUTING_PROFILES: dict[str, RoutingProfile] = {
     "qwen1.5-moe-a2.7b": RoutingProfile(
         _QWEN3_SIGMA_B, _QWEN3_ALPHA, source="qwen3-30b-a3b's profile by relative depth (no trace)"),
 }
+
+# The RMS of the residual stream entering each layer of a skewed synthetic model (layer 0's input is
+# the embedding), by absolute layer index: random attention and expert outputs add up, so it grows
+# with depth, and a write into the routing dims (the route drift of ``bmoe.synth.big``) is scaled by
+# it to land at a chosen size after the layer's RMS norm. Measured by ``python bench/residual_rms.py
+# MODEL`` on ``synth --like qwen3-30b-a3b --type q4_0`` (48 layers, seed 0), the last row of a
+# 19-token prompt; past the table it is extrapolated by its last step.
+_QWEN3_RESIDUAL_RMS: tuple[float, ...] = (
+    0.98, 1.13, 1.19, 1.27, 1.40, 1.49, 1.61, 1.72, 1.84, 1.97, 2.10, 2.21, 2.33, 2.46, 2.57, 2.68,
+    2.79, 2.87, 2.98, 3.11, 3.22, 3.31, 3.44, 3.53, 3.63, 3.71, 3.81, 3.93, 4.01, 4.08, 4.16, 4.29,
+    4.37, 4.46, 4.55, 4.62, 4.74, 4.84, 4.91, 4.99, 5.08, 5.16, 5.24, 5.31, 5.39, 5.48, 5.55, 5.63,
+)
+
+RESIDUAL_RMS: dict[str, tuple[float, ...]] = {"qwen3-30b-a3b": _QWEN3_RESIDUAL_RMS}
+
+
+def residual_rms(name: str, layer: int) -> float:
+    """The residual stream's RMS entering ``layer`` of shape ``name`` (``RESIDUAL_RMS``)."""
+    table = RESIDUAL_RMS[name]
+    if layer < len(table):
+        return table[layer]
+    return table[-1] + (layer - len(table) + 1) * (table[-1] - table[-2])
