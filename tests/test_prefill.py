@@ -146,6 +146,18 @@ def test_measured_auto_runs_one_batch_when_it_fits() -> None:
     assert choose("auto", 50, 512, LAYERS, Rates(1e9, 0.05, 0.002, hit=0.0)).strategy == "batch"
 
 
+def test_auto_keeps_one_batch_where_the_estimate_favours_chunks() -> None:
+    """Measured on a 48-layer model: a warm cache holding ~60 of 128 experts a layer, a decode hit
+    rate of 87 % (skewed routing) against the uniform-routing union of one batch makes chunks look
+    cheaper; a chunked prompt sums in another order than resident, so auto must not take them
+    while one batch keeps the budget (its choice flipped with timing, and so did the 7th token)."""
+    layers = [LayerCache(n_expert=128, k=8, expert_bytes=3 << 20, cached=60) for _ in range(48)]
+    rates = Rates(1.5e9, 0.01, 0.07, hit=0.87)
+    c = choose("auto", 49, 512, layers, rates, budget_bytes=6 << 30)
+    assert c.est_s is not None and min(c.est_s.values()) < c.est_s[49], "the estimate favours chunks"
+    assert c.strategy == "batch" and c.chunk == 512, c.reason
+
+
 def test_auto_chunks_when_one_batch_would_break_the_budget() -> None:
     """A cold 50-token union is about 122 of 128 experts a layer (122 MiB here): a 32 MiB budget
     holds the union of a few tokens only."""

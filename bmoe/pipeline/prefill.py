@@ -28,10 +28,19 @@ budget it beats every chunk size; where one batch fits, one batch is kept (no fa
 split of measured compute: a decode step's compute is ``call_s + token_s``, a batched prefill's
 per-token compute is ``token_s`` (its one call's overhead spread over many tokens). Routing is
 assumed uniform across experts: real routing is skewed, which makes unions smaller and hit rates
-higher; both enter through the measured hit rate, never through constants. ``auto`` takes the
-cheapest chunk size among those whose expected per-layer misses fit the cache budget (all of them
-when none fits, or with the cache off). Every estimate is None until measured, and a choice with
-an unmeasured term falls back to one batch (llama.cpp's own behaviour), never to a guess.
+higher; both enter through the measured hit rate, never through constants.
+
+``auto`` runs one batch whenever one batch keeps the cache budget (and with the cache off): it
+reads no more than any chunking, and a chunked prompt is summed by llama.cpp in another order
+than a batch, so its greedy output may differ from the resident run's, and a choice made from
+measured timings would make it differ from run to run. (The estimate can favour chunks only
+through its own inconsistency: a uniform-routing union for the batch against a hit rate measured
+on skewed routing for the chunks; a 50-token prompt on a 48-layer model chose chunks of 2 that way
+by 0.8 % of estimated time, and its 7th token differed from resident's.) Only where one batch would
+break the budget, and expert-major cannot run, does ``auto`` take the cheapest chunk size among
+those that keep it (all of them when none does). Every estimate is None until measured, and a
+choice with an unmeasured term falls back to one batch (llama.cpp's own behaviour), never to a
+guess.
 """
 
 from __future__ import annotations
@@ -133,9 +142,9 @@ def choose(
     strategy: str, n_tokens: int, n_batch: int, layers: Sequence[LayerCache] | None, rates: Rates,
     budget_bytes: int = 0, expert: bool = False,
 ) -> Choice:
-    """The chunk size for a prompt of ``n_tokens``: forced by ``strategy``, or for ``auto`` the
-    cheapest of one batch and the CANDIDATES under the cost model, among those that keep the
-    cache budget. ``layers`` None: resident (nothing to read), one batch.
+    """The chunk size for a prompt of ``n_tokens``: forced by ``strategy``, or for ``auto`` one
+    batch where it keeps the cache budget, else the cheapest of the CANDIDATES under the cost
+    model among those that keep it. ``layers`` None: resident (nothing to read), one batch.
 
     ``expert``: the session can run a batch expert-major. That reads what one batch reads, at one
     batch's time (measured: the same bytes, 0.75-1.10x its time to first token at full depth), but
@@ -166,16 +175,18 @@ def choose(
     est = {c: estimate_s(layers, n_tokens, c, rates) for c in options}
     if any(v is None for v in est.values()):
         return Choice(n_batch, "batch", "not measured yet: one batch")
-    keep = [c for c in options if fits(layers, c, rates.hit, budget_bytes)] or options
-    best = min(keep, key=lambda c: (est[c], -c))  # ties go to the larger chunk
+    keep = [c for c in options if fits(layers, c, rates.hit, budget_bytes)]
+    # One batch whenever it keeps the budget (the module doc): the resident run's sums.
+    best = full if full in keep else min(keep or options, key=lambda c: (est[c], -c))  # ties: the larger
     chunk = n_batch if best == full else best
     how = strategy_of(best, n_tokens, n_batch)
-    why = "" if full in keep else f"; one batch would exceed the {budget_bytes / 2**20:.0f} MiB budget"
-    return Choice(
-        chunk, how,
-        f"{how} x{best}: est {est[best]:.3f} s vs one batch {est[full]:.3f} s{why}",
-        {c: float(v) for c, v in est.items() if v is not None},
-    )
+    if best == full:
+        reason = (f"one batch keeps the budget: est {est[full]:.3f} s" if full in keep else
+                  f"no chunk size keeps the {budget_bytes / 2**20:.0f} MiB budget; one batch is the cheapest")
+    else:
+        reason = (f"{how} x{best}: est {est[best]:.3f} s vs one batch {est[full]:.3f} s; one batch would "
+                  f"exceed the {budget_bytes / 2**20:.0f} MiB budget")
+    return Choice(chunk, how, reason, {c: float(v) for c, v in est.items() if v is not None})
 
 
 __all__ = [
