@@ -193,14 +193,17 @@ def predicted(path: Path) -> tuple[list[int], dict[int, float]]:
     return asyncio.run(go())
 
 
-def test_route_drift_makes_the_one_layer_early_guess_fallible(model, tmp_path: Path) -> None:
-    """Without drift nothing writes what the routers read, so layer 1's routing is predicted from
-    layer 0's input without a miss; with drift the guess misses some experts, the tokens stay the
-    resident run's, and the routers' own inputs are unchanged where no drift head writes."""
-    _, exact = predicted(model("q4_0"))
-    assert exact == {1: 100.0}
-    path = write_synth(tmp_path / "drift.gguf",
-                       SynthSpec(like="qwen3-30b-a3b", n_layer=3, wtype="q4_0", route_drift=0.5))
+def test_route_drift_makes_the_one_layer_early_guess_fallible(tmp_path: Path) -> None:
+    """With no drift (gamma 0) nothing between two routers changes what they read, so each
+    layer's routing is predicted from the previous layer's input without a miss; with drift the
+    guess misses some experts, and the tokens stay the resident run's."""
+    def spec(gamma: float) -> SynthSpec:
+        return SynthSpec(like="qwen3-30b-a3b", n_layer=3, wtype="q4_0", route_drift=gamma)
+
+    exact = write_synth(tmp_path / "exact.gguf", spec(0.0))
+    assert predicted(exact)[1] == {1: 100.0, 2: 100.0}
+    exact.unlink()
+    path = write_synth(tmp_path / "drift.gguf", spec(0.5))
     tokens, drift = predicted(path)
     assert set(drift) == {1, 2}
     assert all(30.0 < pct < 95.0 for pct in drift.values()), drift

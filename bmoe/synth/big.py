@@ -33,17 +33,24 @@ expert's logit alike, so top-k is exactly this). ``sigma_b`` sets the popularity
 the step-to-step reuse beyond it; both come per layer from ``shapes.ROUTING_PROFILES``, fitted to
 the real trace (see ``RoutingProfile``). Without skew every router is a plain random matrix.
 
-Route drift (``route_drift`` gamma, off by default): with skew alone no layer writes to what the
-routers read, so layer l+1's router applied to layer l's router input predicts l+1's routing
-exactly, and bmoe's read-ahead (``bmoe.stages.predict``) is always right - a best case no real
-model gives. With drift, ``r`` more reserved dims hold ``D_l = R_l g_t`` (``g_t`` the token part
-above, ``R_l`` a random matrix per layer) and each router adds ``gamma * v_e . D_l`` (the token part
-rescaled by ``1 / sqrt(1 + gamma^2)``, so popularity and step reuse keep their fitted values): one
-head of every layer l >= 1 attends to its own token and writes ``R_l g_t - R_{l-1} g_t`` there,
-scaled by the residual stream's measured RMS at that depth (``shapes.RESIDUAL_RMS``) so the RMS
-norm lands it at unit size. A prediction made one layer early then sees the previous layer's
-``D``; gamma sets how often it is wrong (about 91 % of a token's experts right at 0.1, 76 % at 0.3,
-by simulation of these logits; ``bench/route_drift.py`` measures it on the file).
+Own-token heads and route drift (shapes with a measured ``shapes.RESIDUAL_RMS``): ``r`` more
+reserved dims hold ``D_l = R_l g_t`` (``g_t`` the token part above, ``R_l`` a random matrix per
+layer), written by head 0 of every layer l >= 1, which attends to its own token (scores peaking at
+distance 0) and writes ``R_l g_t - R_{l-1} g_t`` there, scaled by the residual stream's measured RMS
+at that depth so the RMS norm lands it at unit size. Two things need it:
+
+- Without it, a deep model's greedy decode falls into loops: at 48 layers of random attention
+  the last hidden state forgets which token it is at, and the text repeats one to three words
+  ("sumoza sumoza sumoza", measured on two seeds), so consecutive tokens route alike (reuse 0.78
+  at 48 layers against 0.43 fitted) and every decode figure flatters the cache. A head that
+  re-reads the token in every layer keeps the text varied (checked at 48 layers, bench/route_drift.py).
+- Each router adds ``gamma * v_e . D_l`` (``route_drift``; the token part rescaled by
+  ``1 / sqrt(1 + gamma^2)``, so popularity and step reuse keep their fitted values). Without it,
+  nothing between two routers changes what they read, so layer l+1's router applied to layer l's
+  input predicts l+1's routing exactly and bmoe's read-ahead (``bmoe.stages.predict``) is always
+  right, a best case no real model gives. Published next-layer gate predictions are right for
+  roughly 70-90 % of a token's experts; the default gamma, ``DEFAULT_ROUTE_DRIFT``, sits in the
+  middle (about 82 % at 48 layers; 0.1 gives about 90 %, 0.3 about 74 %; 0 is the exact best case).
 """
 
 from __future__ import annotations
@@ -112,6 +119,9 @@ PREV_GAIN = 6.0  # its peak score is PREV_GAIN * sqrt(head_dim): > 0.99 of the w
 ROUTER_SCALE = 2.0  # logits' overall scale (softmax sharpness only; top-k does not depend on it)
 ROUTER_STD = 2.0  # plain random routers (no skew): std of a logit, as in bmoe.synth.tiny
 QKV_BIAS_STD = 0.1
+# The routers' weight on D_l (module doc): about 82 % of a token's experts predicted one layer
+# early at 48 layers, the middle of the 70-90 % published for real next-layer gate predictions.
+DEFAULT_ROUTE_DRIFT = 0.2
 
 # The constant dim's quant in an embedding block whose scale is 1 / quant std: a value of ~1.0.
 _CONST_QUANT = np.uint8(round(_QUANT_STD[Q8_0]))
@@ -127,7 +137,9 @@ class SynthSpec:
     seed: int = 0
     skew: bool = True  # routers structured after the real trace; False: plain random routers
     n_expert_used: int | None = None  # None: the real top-k (a replay may want another)
-    route_drift: float = 0.0  # gamma: how far each layer moves what the routers read (module doc)
+    # gamma: how far each layer moves what the routers read (module doc); None: DEFAULT_ROUTE_DRIFT
+    # where the shape has own-token heads, else 0
+    route_drift: float | None = None
 
     def validate(self) -> MoeShape:
         shape = get_shape(self.like)
@@ -137,7 +149,8 @@ class SynthSpec:
             raise ConfigError(f"--layers must be in [1, 1024], got {self.n_layer}")
         if self.seed < 0 or self.seed >= 2**63:
             raise ConfigError(f"--seed must be in [0, 2^63), got {self.seed}")
-        if not (math.isfinite(self.route_drift) and 0.0 <= self.route_drift <= 10.0):
+        gamma = self.route_drift
+        if gamma is not None and not (math.isfinite(gamma) and 0.0 <= gamma <= 10.0):
             raise ConfigError(f"--route-drift must be in [0, 10], got {self.route_drift}")
         if self.route_drift and not self.skew:
             raise ConfigError("--route-drift moves the structured routers' inputs: it needs skew (drop --no-skew)")
@@ -160,6 +173,16 @@ class SynthSpec:
 
     def layers(self, shape: MoeShape) -> int:
         return shape.n_layer if self.n_layer is None else self.n_layer
+
+    def own_token_heads(self, shape: MoeShape) -> bool:
+        """Whether layers >= 1 get an own-token head writing ``D_l`` (the module doc)."""
+        return self.skew and shape.name in RESIDUAL_RMS
+
+    def drift(self, shape: MoeShape) -> float:
+        """The routers' gamma on ``D_l``."""
+        if self.route_drift is not None:
+            return self.route_drift
+        return DEFAULT_ROUTE_DRIFT if self.own_token_heads(shape) else 0.0
 
     def top_k(self, shape: MoeShape) -> int:
         return shape.n_expert_used if self.n_expert_used is None else self.n_expert_used
@@ -371,7 +394,7 @@ def plan(spec: SynthSpec, shape: MoeShape, vocab: Vocab) -> list[PlannedTensor]:
     qd, kvd = shape.q_dim, shape.kv_dim
     n_layer = spec.layers(shape)
     skew = spec.skew
-    lay = _Layout(drifts=skew and spec.route_drift > 0)
+    lay = _Layout(drifts=spec.own_token_heads(shape))
     profile: list[tuple[float, float]] = (
         ROUTING_PROFILES[shape.name].for_layers(n_layer) if skew else [])
     # RMS of an embedding row: const ~1, r unit features, r (2r with drift) zeros, the rest unit
@@ -482,7 +505,7 @@ def plan(spec: SynthSpec, shape: MoeShape, vocab: Vocab) -> list[PlannedTensor]:
             sigma_b, alpha = profile[il]
             out.append(_f32(p + "ffn_gate_inp.weight", (X, E),
                             _router(seed, p + "ffn_gate_inp.weight", X, E, lay, sigma_b, alpha,
-                                    spec.route_drift)))
+                                    spec.drift(shape))))
         else:
             normal(p + "ffn_gate_inp.weight", (X, E), ROUTER_STD * E ** -0.5)
 
@@ -913,8 +936,8 @@ def describe(spec: SynthSpec) -> str:
     how = "none (plain random routers)"
     if spec.skew:
         how = f"fitted per layer from {ROUTING_PROFILES[shape.name].source}"
-        if spec.route_drift:
-            how += f", route drift {spec.route_drift:g}"
+        if spec.own_token_heads(shape):
+            how += f", route drift {spec.drift(shape):g}"
     return (f"{shape.name} ({shape.source}): {shape.arch}, {n_layer} of {shape.n_layer} layers, "
             f"{shape.n_expert} experts top-{spec.top_k(shape)}, {_expert_type(tensors)} experts, "
             f"{total / 2**30:.2f} GiB of tensors; routing skew: {how}")
@@ -943,10 +966,11 @@ def add_synth_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
                    help="top-k written to the file (default: the real one)")
     p.add_argument("--no-skew", dest="skew", action="store_false",
                    help="plain random routers (near-uniform routing, no reuse): a control")
-    p.add_argument("--route-drift", type=float, default=0.0, metavar="GAMMA",
-                   help="how much each layer moves what its router reads, so that predicting a layer's "
-                        "experts one layer early is right as often as on a real model (0: always right; "
-                        "0.1: about 91 %% of a token's experts, 0.3: about 76 %%); qwen3-30b-a3b only")
+    p.add_argument("--route-drift", type=float, default=None, metavar="GAMMA",
+                   help=f"how much each layer moves what its router reads, so that predicting a layer's "
+                        f"experts one layer early is right as often as on a real model (default "
+                        f"{DEFAULT_ROUTE_DRIFT:g}: about 82 %% of a token's experts; 0.1: about 90 %%, 0.3: "
+                        f"about 74 %%; 0: always right, a best case); qwen3-30b-a3b only")
     p.set_defaults(func=_cmd_synth)
     return p
 
