@@ -14,6 +14,7 @@ from bmoe.pipeline.budget import (
     MiB,
     Needs,
     SmapsTotals,
+    guard_ceiling,
     margin_bytes,
     needs_from,
     parse_smaps,
@@ -142,3 +143,41 @@ def test_session_refuses_a_budget_that_cannot_fit_and_runs_it_forced(tiny, monke
         assert s.budget_bytes == 8 * MiB and "KV + compute buffers" not in s.budget_how
     with Session.open(path, RunConfig(mode="stream", n_ctx=256, cache_bytes=None)) as s:
         assert s.budget_bytes == s.layout.expert_bytes and "KV + compute buffers untouched" in s.budget_how
+
+
+def test_auto_may_grow_into_the_room_of_buffers_not_touched_yet() -> None:
+    """The guard's ceiling: auto's budget plus the untouched KV / compute room, never past the bank
+    or a ceiling asked for; a fixed budget never grows."""
+    budget = resolve(None).bytes
+    top = guard_ceiling(budget, requested=None, needs=NEEDS, expert_bank_bytes=16 * GiB, ceiling=None)
+    assert top == budget + NEEDS.buffers
+    assert guard_ceiling(budget, requested=None, needs=NEEDS, expert_bank_bytes=budget + MiB, ceiling=None) \
+        == budget + MiB
+    assert guard_ceiling(budget, requested=None, needs=NEEDS, expert_bank_bytes=16 * GiB,
+                         ceiling=budget + 10 * MiB) == budget + 10 * MiB
+    assert guard_ceiling(4 * GiB, requested=4 * GiB, needs=NEEDS, expert_bank_bytes=16 * GiB, ceiling=None) == 4 * GiB
+
+
+def test_a_live_auto_guard_grows_past_the_open_budget_and_a_fixed_one_does_not(tiny, monkeypatch) -> None:
+    import bmoe.engine.streaming as streaming
+
+    path = tiny.path(TinySpec(n_embd=256, n_ff=256, n_layer=3))
+    with Session.open(path, RunConfig(mode="stream", n_ctx=256, cache_bytes=None)) as s:
+        bank = s.layout.expert_bytes
+    total = {"MemTotal": 16 * GiB}
+    monkeypatch.setattr(streaming, "read_meminfo", lambda: total | {"MemAvailable": 4 * GiB})
+    with Session.open(path, RunConfig(mode="stream", n_ctx=256, cache_bytes=None)) as s:
+        model = s.budget_how.split(" available - ")[1].split(" (")[0]
+        others = sum(int(part.split(" MiB")[0]) for part in model.split(" - ")) * MiB
+    # Just above the other needs (which move by a few MiB from one open to the next): auto under the bank.
+    for available in range(others - 16 * MiB, others + 128 * MiB, MiB):
+        monkeypatch.setattr(streaming, "read_meminfo", lambda a=available: total | {"MemAvailable": a})
+        with Session.open(path, RunConfig(mode="stream", n_ctx=256, cache_bytes=None)) as s:
+            if 0 < s.budget_bytes < bank:
+                assert s.pressure_guard.ceiling == bank, "the untouched buffers' room reaches the bank here"
+                opened = s.budget_bytes
+                break
+    else:
+        pytest.fail("no MemAvailable gave an auto budget under the bank")
+    with Session.open(path, RunConfig(mode="stream", n_ctx=256, cache_bytes=opened, force_cache=True)) as fixed:
+        assert fixed.budget_bytes == opened and fixed.pressure_guard.ceiling == opened

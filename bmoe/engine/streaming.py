@@ -27,6 +27,7 @@ from bmoe.pipeline.boundary import SERIAL, ComputeModes, FastPath
 from bmoe.pipeline.budget import (
     Budget,
     Needs,
+    guard_ceiling,
     needs_from,
     parse_smaps,
     read_meminfo,
@@ -135,7 +136,9 @@ class StreamParts:
         )
         guard = None
         if config.pressure_guard and budget.bytes > 0:
-            guard = PressureGuard(budget.bytes, GuardSettings.around(needs.margin + needs.kept_pages))
+            top = guard_ceiling(budget.bytes, requested=config.cache_bytes, needs=needs,
+                                expert_bank_bytes=layout.expert_bytes, ceiling=config.cache_ceiling_bytes)
+            guard = PressureGuard(top, GuardSettings.around(needs.margin + needs.kept_pages))
         policy = make_policy(config.cache_policy)
         if config.prewarm and not hasattr(policy, "seed"):
             raise ConfigError(f"prewarm needs a cache policy that learns usage; {config.cache_policy!r} does not")

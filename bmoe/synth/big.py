@@ -325,10 +325,10 @@ def _set_rows(rows: dict[int, np.ndarray]) -> Patch | None:
 @dataclass(frozen=True)
 class _Layout:
     """Dims of the residual stream reserved for routing (skew only): only the designed heads write
-    to them (layer 0's previous-token head; with drift, each later layer's own-token head)."""
+    to them (layer 0's previous-token head; with ``drifts``, each later layer's own-token head)."""
 
     r: int = ROUTER_FEATURES
-    drifts: bool = False
+    drifts: bool = False  # own-token heads write D_l (the routers read it with weight gamma, maybe 0)
 
     @property
     def const(self) -> int:
@@ -343,7 +343,7 @@ class _Layout:
         return slice(1 + self.r, 1 + 2 * self.r)
 
     @property
-    def drift(self) -> slice:  # D_l (route drift): written by head 0 of each layer >= 1
+    def drift(self) -> slice:  # D_l: written by head 0 (the own-token head) of each layer >= 1
         return slice(1 + 2 * self.r, 1 + 3 * self.r)
 
     @property
@@ -441,8 +441,8 @@ def plan(spec: SynthSpec, shape: MoeShape, vocab: Vocab) -> list[PlannedTensor]:
 
     for il in range(n_layer):
         p = f"blk.{il}."
-        # Head 0 is designed in layer 0 (the previous-token head) and, with drift, in every later
-        # layer (the own-token head writing D_l).
+        # Head 0 is designed in layer 0 (the previous-token head) and, with own-token heads, in
+        # every later layer (writing D_l).
         drift_head = lay.drifts and il >= 1
         designed = skew and il == 0 or drift_head
         ones(p + "attn_norm.weight", E)
