@@ -159,25 +159,19 @@ def test_auto_may_grow_into_the_room_of_buffers_not_touched_yet() -> None:
 
 
 def test_a_live_auto_guard_grows_past_the_open_budget_and_a_fixed_one_does_not(tiny, monkeypatch) -> None:
+    """A session's guard takes its ceiling from the memory model: auto's budget plus the untouched
+    buffers' room; a fixed budget its own figure. The needs are pinned so the figures are exact."""
     import bmoe.engine.streaming as streaming
 
     path = tiny.path(TinySpec(n_embd=256, n_ff=256, n_layer=3))
     with Session.open(path, RunConfig(mode="stream", n_ctx=256, cache_bytes=None)) as s:
         bank = s.layout.expert_bytes
-    total = {"MemTotal": 16 * GiB}
-    monkeypatch.setattr(streaming, "read_meminfo", lambda: total | {"MemAvailable": 4 * GiB})
+    needs = Needs(dense=0, buffers=4 * MiB, code=0, transient=MiB, interpreter=0, margin=0)
+    monkeypatch.setattr(streaming, "measure_needs", lambda *a, **k: needs)
+    monkeypatch.setattr(streaming, "read_meminfo",
+                        lambda: {"MemTotal": 16 * GiB, "MemAvailable": needs.buffers + bank // 2})
     with Session.open(path, RunConfig(mode="stream", n_ctx=256, cache_bytes=None)) as s:
-        model = s.budget_how.split(" available - ")[1].split(" (")[0]
-        others = sum(int(part.split(" MiB")[0]) for part in model.split(" - ")) * MiB
-    # Just above the other needs (which move by a few MiB from one open to the next): auto under the bank.
-    for available in range(others - 16 * MiB, others + 128 * MiB, MiB):
-        monkeypatch.setattr(streaming, "read_meminfo", lambda a=available: total | {"MemAvailable": a})
-        with Session.open(path, RunConfig(mode="stream", n_ctx=256, cache_bytes=None)) as s:
-            if 0 < s.budget_bytes < bank:
-                assert s.pressure_guard.ceiling == bank, "the untouched buffers' room reaches the bank here"
-                opened = s.budget_bytes
-                break
-    else:
-        pytest.fail("no MemAvailable gave an auto budget under the bank")
-    with Session.open(path, RunConfig(mode="stream", n_ctx=256, cache_bytes=opened, force_cache=True)) as fixed:
-        assert fixed.budget_bytes == opened and fixed.pressure_guard.ceiling == opened
+        assert s.budget_bytes == bank // 2
+        assert s.pressure_guard.ceiling == bank // 2 + needs.buffers
+    with Session.open(path, RunConfig(mode="stream", n_ctx=256, cache_bytes=bank // 2)) as fixed:
+        assert fixed.budget_bytes == bank // 2 and fixed.pressure_guard.ceiling == bank // 2
