@@ -16,7 +16,8 @@ signals and shrinks the budget when any appears, then grows it back once they ha
 A shrink on PSI or faults alone gives up an eighth of the budget, at most once per
 ``signal_cooldown_s`` (while another program's memory is being reclaimed, every sample stalls:
 without it the budget would halve in six samples). Growth waits ``cooldown_s`` after
-any change and goes at most ``grow_step`` at a time, never past the ceiling (the budget at open).
+any change and goes at most ``grow_step`` at a time, never past the ceiling (the budget at open;
+for ``auto``, plus the room of buffers not touched yet: ``bmoe.pipeline.budget.guard_ceiling``).
 
 Pure: ``decide`` is arithmetic over two samples; the readers take their text or path from the
 caller, and ``PressureGuard`` takes its sample source and clock, so tests inject both. Applying a
