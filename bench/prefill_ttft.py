@@ -102,7 +102,7 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=2, help="tokens per turn (the first is the TTFT one)")
     ap.add_argument("-t", "--threads", type=int, default=None)
     args = ap.parse_args()
-    path = args.model or cache_dir() / "bench" / "synth-qwen3-30b-a3b-l8-q4_0-drift0.2.gguf"
+    path = args.model or cache_dir() / "bench" / DEFAULT.file_name()
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         write_synth(path, DEFAULT)

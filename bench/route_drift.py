@@ -41,9 +41,9 @@ from routing_realism import PROMPT, decode_masks, layer_stats  # noqa: E402
 CACHE = 8 << 30  # more than the bank of any --layers this script is meant for: nothing is evicted
 
 
-def _score(predictor) -> float | None:
-    right, total = sum(predictor.correct.values()), sum(predictor.total.values())
-    return round(100.0 * right / total, 1) if total else None
+def _score(predictor) -> float | None:  # noqa: ANN001 - a Predictor
+    pct = predictor.overall_pct()
+    return None if pct is None else round(pct, 1)
 
 
 def measure(path: Path, n: int, trace: Path) -> dict:

@@ -176,7 +176,7 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=None)
     args = ap.parse_args()
     spec = SynthSpec(like="qwen3-30b-a3b", n_layer=args.layers, wtype="q4_0")
-    path = args.model or cache_dir() / "bench" / f"synth-qwen3-30b-a3b-l{args.layers}-q4_0-drift0.2.gguf"
+    path = args.model or cache_dir() / "bench" / spec.file_name()
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         print(f"writing {path} once", file=sys.stderr)

@@ -275,3 +275,12 @@ def test_deepseek_v2_lite_and_qwen35_plans() -> None:
     assert q["blk.3.attn_q.weight"][0] == (2 * 16 * 256, 2048)  # every 4th block attends
     assert q["blk.39.ffn_gate_exps.weight"][0] == (256, 512, 2048)
     assert "blk.40.nextn.eh_proj.weight" in q
+
+
+def test_file_name_changes_with_what_the_bytes_depend_on() -> None:
+    base = SynthSpec(like="qwen3-30b-a3b", n_layer=8, wtype="q4_0")
+    names = {s.file_name() for s in (base, SynthSpec(like="qwen3-30b-a3b", n_layer=8, wtype="q4_0", seed=1),
+                                     SynthSpec(like="qwen3-30b-a3b", n_layer=8, wtype="q4_0", route_drift=0.0),
+                                     SynthSpec(like="qwen3-30b-a3b", n_layer=8, wtype="q8_0"),
+                                     SynthSpec(like="qwen3-30b-a3b", n_layer=8, wtype="q4_0", skew=False))}
+    assert len(names) == 5 and base.file_name() == "synth-qwen3-30b-a3b-l8-q4_0-drift0.2.gguf"

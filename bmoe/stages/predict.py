@@ -157,3 +157,8 @@ class Predictor:
 
     def accuracy_pct(self) -> dict[int, float]:
         return {il: 100.0 * self.correct[il] / n for il, n in sorted(self.total.items()) if n}
+
+    def overall_pct(self) -> float | None:
+        """Right over scored across every layer (None before any score)."""
+        total = sum(self.total.values())
+        return 100.0 * sum(self.correct.values()) / total if total else None

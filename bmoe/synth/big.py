@@ -187,6 +187,21 @@ class SynthSpec:
     def top_k(self, shape: MoeShape) -> int:
         return shape.n_expert_used if self.n_expert_used is None else self.n_expert_used
 
+    def file_name(self) -> str:
+        """A name that changes with everything the bytes depend on, for files written once and
+        reused (the bench scripts' cached models): a generator change shows in it too."""
+        shape = get_shape(self.like)
+        parts = [f"synth-{shape.name}", f"l{self.layers(shape)}", self.wtype]
+        if self.seed:
+            parts.append(f"s{self.seed}")
+        if not self.skew:
+            parts.append("noskew")
+        if self.n_expert_used is not None:
+            parts.append(f"k{self.n_expert_used}")
+        if self.own_token_heads(shape):
+            parts.append(f"drift{self.drift(shape):g}")
+        return "-".join(parts) + ".gguf"
+
 
 @dataclass(frozen=True)
 class PlannedTensor:
