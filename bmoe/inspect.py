@@ -33,6 +33,7 @@ from pathlib import Path
 
 from gguf import GGMLQuantizationType
 
+from bmoe.cli.flags import _io_threads, _number
 from bmoe.engine.loader import choose_open_mode
 from bmoe.io.layout import ModelLayout, block_of
 from bmoe.io.probe import ProbeResult, cache_dir, cached_probe
@@ -254,7 +255,8 @@ def render(r: Report) -> str:
         f"  read rate      {f'{r.read_mib_s:,.0f} MiB/s' if r.read_mib_s else 'unmeasured'} ({r.read_how})",
         f"  compute        {r.compute_gbs:g} GB/s ({r.compute_how})",
         f"  hit rate       {r.hit_how}",
-        "  forecast       budget            hit%  read/token    read ms  compute ms  tok/s",
+        f"  forecast       {'cache':<12} {'budget':>13} {'hit%':>5} {'read/token':>13} {'read ms':>8} "
+        f"{'compute ms':>10}  {'tok/s':>6}",
     ]
     for f in r.forecasts:
         read_ms = f"{f.read_s * 1e3:8.1f}" if f.read_s is not None else "       -"
@@ -267,11 +269,13 @@ def render(r: Report) -> str:
 def add_inspect_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("inspect", help="what a model is and how it would run here (index only)")
     p.add_argument("model", type=Path)
-    p.add_argument("--ram", type=float, default=None, metavar="GB", help="RAM to plan for (default: MemAvailable)")
+    p.add_argument("--ram", type=_number(float, 0.01, 1 << 20, "a number of GB"), default=None, metavar="GB",
+                   help="RAM to plan for (default: MemAvailable)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--probe", action="store_true", help="measure the device's read rate (cached) if unknown")
-    p.add_argument("--io-threads", type=int, default=DEFAULT_LANES, help="read lanes the forecast assumes")
-    p.add_argument("--compute-gbs", type=float, default=None, help="measured compute rate (GB/s of weights)")
+    p.add_argument("--io-threads", type=_io_threads, default=DEFAULT_LANES, help="read lanes the forecast assumes")
+    p.add_argument("--compute-gbs", type=_number(float, 1e-3, 1e6, "a rate in GB/s"), default=None,
+                   help="measured compute rate (GB/s of weights)")
     p.set_defaults(func=_cmd_inspect)
     return p
 

@@ -39,3 +39,17 @@ def test_chat_cli_two_turns_with_a_warm_cache(tiny) -> None:
     hits = [float(h) for h in re.findall(r"hit ([0-9.]+)%", proc.stderr)]
     assert len(hits) == 2, proc.stderr
     assert hits[1] > hits[0], "the second turn finds experts the first one cached"
+
+
+def test_a_message_too_long_for_the_context_is_refused_and_the_chat_goes_on(tiny) -> None:
+    path = tiny.path(TinySpec())
+    proc = subprocess.run(
+        [sys.executable, "-m", "bmoe.cli", "chat", "-m", str(path), "-n", "4", "-c", "256"],
+        input="first words\n" + "x" * 2000 + "\n/think\nafter that\n",
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "does not fit the context" in proc.stderr and "not sent" in proc.stderr
+    assert "dropped the oldest turn" not in proc.stderr  # the history was left as it was
+    assert "/think takes on or off" in proc.stderr
+    assert len(re.findall(r"\] \d+ tokens, ", proc.stderr)) == 2, proc.stderr  # both other messages answered

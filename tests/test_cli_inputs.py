@@ -107,3 +107,42 @@ def test_a_closed_standard_descriptor_is_no_signal(tiny, fd: int) -> None:
                           preexec_fn=lambda: os.close(fd), timeout=120)
     assert proc.returncode == 0, (proc.returncode, proc.stderr)
     assert b"Traceback" not in proc.stderr and b"Assertion" not in proc.stderr
+
+
+def test_stop_takes_the_escapes_of_llama_cpps_command_line() -> None:
+    from bmoe.cli.flags import _escaped
+
+    assert _escaped(r"\n\n") == "\n\n"
+    assert _escaped(r"a\tb\\n") == "a\tb\\n"
+    assert _escaped(r"\x plain") == r"\x plain"  # an unknown escape is left as typed
+
+
+@pytest.mark.parametrize("flags", [("--io-threads", "0"), ("--io-threads", "-3"), ("--ram", "-1")])
+def test_inspect_numbers_are_refused_at_parse_time(tiny, flags: tuple[str, str]) -> None:
+    line = one_line(bmoe("inspect", str(tiny.path(TinySpec())), *flags), 2)
+    assert flags[0] in line
+
+
+def test_a_plot_matplotlib_cannot_write_is_refused_before_the_work(tmp_path: Path) -> None:
+    trace = tmp_path / "t.route.csv"
+    trace.write_text("route_trace v1\n")  # never read: the plot's name is checked first
+    line = one_line(bmoe("replay", str(trace), "--cache-mb", "1", "--plot", str(tmp_path / "r.out")), 1)
+    assert "cannot write 'out'" in line and "png" in line
+
+
+def test_run_json_interrupted_still_prints_one_json_object(tiny) -> None:
+    import json
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "bmoe.cli", "run", "-m", str(tiny.path(TinySpec())), "-p", "hi",
+                             "-n", "1900", "-c", "2048", "--json", "--progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stderr is not None
+    for line in proc.stderr:  # the first token's metrics line: the generation is under way
+        if line.startswith(b"{"):
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    result = json.loads(out)
+    assert result["finish_reason"] == "cancelled" and 0 < result["n_tokens"] == len(result["tokens"]) < 1900

@@ -77,3 +77,42 @@ def test_output_folders_and_permissions_are_checked_first(tmp_path: Path) -> Non
 def test_a_split_name_with_an_absurd_shard_count_is_refused_without_building_paths() -> None:
     with pytest.raises(MissingShardError, match="99999999999 shards"):
         split_shard_paths(Path("m-00001-of-99999999999.gguf"))
+
+
+def test_an_output_onto_a_prompt_grammar_or_another_output_is_refused(split_model, tmp_path: Path) -> None:  # noqa: ANN001
+    prompt, grammar = tmp_path / "p.txt", tmp_path / "g.gbnf"
+    prompt.write_text("hello")
+    grammar.write_text('root ::= "a"')
+    model = str(split_model[0])
+    cases = [
+        (("-f", str(prompt), "--csv", str(prompt)), "is an input"),
+        (("-p", "hi", "--grammar-file", str(grammar), "--route-trace", str(grammar)), "is an input"),
+        (("-p", "hi", "--csv", str(tmp_path / "x"), "--route-trace", str(tmp_path / "x")), "the same file"),
+        (("-p", "hi", "--csv", str(tmp_path / "y"), "--cache-profile", str(tmp_path / "y")), "the same file"),
+    ]
+    for flags, why in cases:
+        proc = bmoe("run", "-m", model, "-n", "2", *flags)
+        assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and why in proc.stderr, (flags, proc.stderr)
+    assert prompt.read_text() == "hello" and grammar.read_text() == 'root ::= "a"'
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_make_tiny_and_synth_never_overwrite_a_file_or_write_through_a_link(tmp_path: Path) -> None:
+    real = write_tiny(tmp_path / "real.gguf", TinySpec())[0]
+    before = digest(real)
+    sym, hard = tmp_path / "sym.gguf", tmp_path / "hard.gguf"
+    sym.symlink_to(real)
+    os.link(real, hard)
+    for out in (real, sym, hard):
+        proc = bmoe("make-tiny", str(out), "--seed", "5")
+        assert proc.returncode == 1 and "refusing to overwrite" in proc.stderr, proc.stderr
+    proc = bmoe("synth", str(real), "--like", "qwen3-30b-a3b", "--layers", "1")
+    assert proc.returncode == 1 and "refusing to overwrite" in proc.stderr, proc.stderr
+    proc = bmoe("synth", str(tmp_path), "--like", "qwen3-30b-a3b", "--layers", "1")
+    assert proc.returncode == 1 and "is a folder" in proc.stderr, proc.stderr
+    assert digest(real) == before
+    # Forced, the link itself is replaced: the file it pointed at keeps its bytes.
+    proc = bmoe("make-tiny", str(sym), "--seed", "5", "--force")
+    assert proc.returncode == 0, proc.stderr
+    assert not sym.is_symlink() and digest(sym) != before
+    assert digest(real) == before == digest(hard)

@@ -81,7 +81,7 @@ from bmoe.engine.aio import run as run_async
 from bmoe.errors import BmoeError, ConfigError
 from bmoe.io.layout import split_shard_paths
 from bmoe.io.pagecache import read_io_bytes
-from bmoe.io.paths import check_output, check_output_dir
+from bmoe.io.paths import check_output, check_output_dir, check_plot_output
 from bmoe.metrics.tokens import peak_rss_bytes
 from bmoe.pipeline.budget import read_meminfo
 
@@ -224,6 +224,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     inputs = (args.model, *split_shard_paths(args.model))
     if args.plot is not None:
         check_output(args.plot, "--plot", inputs)
+        check_plot_output(args.plot, "--plot")
     if args.out is not None:
         check_output_dir(args.out, "--out", inputs)
     opts = BenchOptions.from_args(args).validate()

@@ -47,8 +47,11 @@ def _chat_parser(sub: argparse._SubParsersAction) -> None:
 def _cmd_chat(args: argparse.Namespace) -> int:
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="surrogateescape")  # bytes that are not UTF-8 reach _prompt_text
-    _check_outputs(args, _model_files(args.model), "--route-trace")
+    _check_outputs(args, _model_files(args.model), "--route-trace", "--cache-profile")
     config, sampling = _config(args), _sampling(args)
+    from bmoe.engine.stops import StopStrings
+
+    StopStrings(args.stop)  # a bad --stop is refused now, not after the first message
     _run(_chat(args.model, config, args.system, args.n_predict, sampling=sampling, stop=args.stop,
                quiet=args.quiet, think=not args.no_think))
     return 0
@@ -105,7 +108,10 @@ async def _chat(model: Path, config: RunConfig, system: str | None, n: int, *, s
                     print("conversation cleared", file=sys.stderr)
                 elif command == "/stats":
                     print(_chat_stats(session, totals), file=sys.stderr)
-                elif command == "/think" and text.split()[1:] in (["on"], ["off"]):
+                elif command == "/think":
+                    if text.split()[1:] not in (["on"], ["off"]):
+                        print(f"/think takes on or off (thinking is {'on' if think else 'off'})", file=sys.stderr)
+                        continue
                     think = text.split()[1] == "on"
                     print(f"thinking {'on' if think else 'off'}"
                           + ("" if fmt.thinks else " (this model's template has no thinking switch)"), file=sys.stderr)
@@ -113,7 +119,12 @@ async def _chat(model: Path, config: RunConfig, system: str | None, n: int, *, s
                     print(f"unknown command {command}; /help lists them", file=sys.stderr)
                 continue
             history.append(Message("user", _prompt_text(line)))
-            prompt = _fit(session, fmt, history, n, {"enable_thinking": think})
+            try:
+                prompt = _fit(session, fmt, history, n, {"enable_thinking": think})
+            except ConfigError as exc:  # this message only: the conversation goes on without it
+                history.pop()
+                print(f"bmoe: {exc}", file=sys.stderr)
+                continue
             split = fmt.splitter(prompt)
             parts: list[str] = []
             _SIGINT_TAKEN_BY.append(session.cancel)  # Ctrl-C ends this reply only
@@ -222,13 +233,19 @@ class _StdinLines:
 
 
 def _fit(session, fmt, history, n: int, template_kwargs: dict | None = None) -> str:  # noqa: ANN001
-    """Render the conversation, dropping the oldest turns (never the system message) to fit."""
+    """Render the conversation, dropping the oldest turns (never the system message) to fit. A last
+    message that cannot fit even alone raises ConfigError and leaves ``history`` as it was."""
+    kept = list(history)
     while True:
-        prompt = fmt.render(history, template_kwargs)
+        prompt = fmt.render(kept, template_kwargs)
         if len(session.tokenize(prompt, special=True)) + n <= session.n_ctx:
+            if len(kept) < len(history):
+                print("bmoe: the conversation outgrew the context; dropped the oldest turn"
+                      + ("s" if len(history) - len(kept) > 1 else ""), file=sys.stderr)
+                history[:] = kept
             return prompt
-        oldest = next((i for i, m in enumerate(history) if m.role != "system"), None)
-        if oldest is None or oldest == len(history) - 1:
-            raise ConfigError(f"the message does not fit the context ({session.n_ctx} tokens); raise -c")
-        del history[oldest]
-        print("bmoe: the conversation outgrew the context; dropped the oldest turn", file=sys.stderr)
+        oldest = next((i for i, m in enumerate(kept) if m.role != "system"), None)
+        if oldest is None or oldest == len(kept) - 1:
+            raise ConfigError(f"the message does not fit the context ({session.n_ctx} tokens, {n} of them kept "
+                              f"for the reply); not sent: shorten it, or raise -c or lower -n")
+        del kept[oldest]

@@ -77,16 +77,20 @@ def _tiny_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--experts", type=_number(int, 1, 1024, "an expert count"), default=8)
     p.add_argument("--used", type=_number(int, 1, 1024, "an expert count"), default=2)
     p.add_argument("--ff", type=_number(int, 1, 65536, "a feed-forward width"), default=64)
+    p.add_argument("--force", action="store_true", help="replace an existing file (never written through a link)")
     p.set_defaults(func=_cmd_make_tiny)
 
 
 def _cmd_make_tiny(args: argparse.Namespace) -> int:
-    from bmoe.synth.tiny import TinySpec
+    from bmoe.io.paths import check_new_file
+    from bmoe.synth.tiny import TinySpec, tiny_files
 
     spec = TinySpec(arch=args.arch, wtype=args.wtype, n_layer=args.layers, n_embd=args.embd,
                     n_expert=args.experts, n_expert_used=args.used, n_ff=args.ff, seed=args.seed,
                     shards=args.shards, n_nextn=args.mtp)
     spec.validate()  # a bad spec is one line, before any progress bar
+    for file in tiny_files(args.out, args.shards):
+        check_new_file(file, "make-tiny", force=args.force)
     paths = _write_with_progress(args.out, spec)
     print(paths[0])
     return 0

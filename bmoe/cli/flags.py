@@ -7,11 +7,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import re
 import sys
 from pathlib import Path
 
 from bmoe.engine.config import MiB, RunConfig
-from bmoe.errors import ConfigError
+from bmoe.errors import ConfigError, OutputPathError
 
 
 class _Help(argparse.HelpFormatter):
@@ -142,8 +144,18 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grammar-file", type=Path, default=None, help="constrain the output with a GBNF grammar")
     g.add_argument("--json-schema", default=None,
                    help="constrain the output to JSON matching this schema (JSON text, or a file holding it)")
-    g.add_argument("--stop", action="append", default=None, metavar="TEXT",
-                   help="stop before this text (repeatable); it is never printed")
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT", type=_escaped,
+                   help="stop before this text (repeatable); it is never printed; \\n \\t \\r \\\\ are "
+                        "escapes, as in llama.cpp's command line")
+
+
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", "'": "'", '"': '"'}
+
+
+def _escaped(text: str) -> str:
+    """A flag's text with the escapes llama.cpp's command line processes (``\\n \\r \\t \\\\ \\' \\"``):
+    the shell passes ``--stop "\\n\\n"`` as a backslash and an n, which no model writes."""
+    return re.sub(r"\\(.)", lambda m: _ESCAPES.get(m.group(1), m.group(0)), text)
 
 
 def _sampling(args: argparse.Namespace):  # noqa: ANN202 - a bmoe.engine.sampling.SamplingParams
@@ -233,11 +245,36 @@ def _model_files(model: Path | None) -> tuple[Path, ...]:
     return () if model is None else (model, *split_shard_paths(model))
 
 
+def _input_files(args: argparse.Namespace) -> tuple[Path, ...]:
+    """The files a command reads besides the model: a prompt file, a grammar, a JSON schema file."""
+    files = [getattr(args, name, None) for name in ("file", "grammar_file")]
+    schema = getattr(args, "json_schema", None)
+    if schema is not None and not schema.lstrip().startswith(("{", "[")):
+        files.append(Path(schema))
+    return tuple(Path(f) for f in files if f is not None)
+
+
 def _check_outputs(args: argparse.Namespace, inputs: tuple[Path, ...], *flags: str) -> None:
-    """Refuse, before anything is opened, any output flag that names an input or cannot be written."""
+    """Refuse, before anything is opened, any output flag that names an input (the model, or a
+    prompt, grammar or schema file) or another output, or cannot be written: one file written by
+    two flags keeps only the last one's bytes."""
     from bmoe.io.paths import check_output
 
+    inputs = (*inputs, *_input_files(args))
+    seen: list[tuple[str, Path]] = []
     for flag in flags:
         value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
-        if value is not None:
-            check_output(value, flag, inputs)
+        if value is None:
+            continue
+        out = check_output(value, flag, inputs)
+        for other_flag, other in seen:
+            if out.resolve() == other.resolve() or _same_file(out, other):
+                raise OutputPathError(f"{flag} and {other_flag} name the same file ({out}); give each its own")
+        seen.append((flag, out))
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False

@@ -13,7 +13,9 @@ from bmoe.engine.config import MiB, RunConfig
 
 async def _generate(model: Path, config: RunConfig, prompt: str, n: int, *, echo: bool,
                     progress: bool = False, csv_path: Path | None = None, sampling=None,  # noqa: ANN001
-                    stop: list[str] | None = None, quiet: bool = False) -> dict:
+                    stop: list[str] | None = None, quiet: bool = False, partial: dict | None = None) -> dict:
+    """Generate and return the run's figures; ``partial`` (if given) receives them too, also when a
+    signal or an error ends the run early, for a caller that must still report what was made."""
     from bmoe.engine.lossy import lossy_label
     from bmoe.engine.session import Session
     from bmoe.metrics.sinks import CsvSink, ProgressSink
@@ -68,6 +70,8 @@ async def _generate(model: Path, config: RunConfig, prompt: str, n: int, *, echo
                 **(stats.as_dict() if stats is not None else {}),
                 "peak_rss_bytes": peak_rss_bytes(),
             }
+            if partial is not None:
+                partial.update(result)
             for sink in sinks:
                 if isinstance(sink, CsvSink):
                     sink.summary({k: v for k, v in result.items() if k not in ("text", "tokens")})

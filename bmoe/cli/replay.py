@@ -19,6 +19,7 @@ from bmoe.cli.flags import (
 )
 from bmoe.engine.config import MiB
 from bmoe.errors import ConfigError
+from bmoe.io.paths import check_plot_output
 
 
 def _replay_parser(sub: argparse._SubParsersAction) -> None:
@@ -62,6 +63,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     from bmoe.pipeline.trace import read_trace
 
     _check_outputs(args, (args.trace, *_model_files(args.model)), "--csv", "--plot")
+    if args.plot is not None:
+        check_plot_output(args.plot, "--plot")
     io = args.io or ("real" if args.model else "sim")
     if io == "real" and args.model is None:
         raise ConfigError("--io real reads the model's bytes: give it with -m MODEL (or use --io sim)")

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from bmoe.cli.edge import _prompt_text, _run
+from bmoe.cli.edge import Interrupted, _prompt_text, _run
 from bmoe.cli.flags import (
     _check_outputs,
     _common_flags,
@@ -61,12 +61,18 @@ def _prompt(args: argparse.Namespace) -> str:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    _check_outputs(args, _model_files(args.model), "--csv", "--route-trace")
+    _check_outputs(args, _model_files(args.model), "--csv", "--route-trace", "--cache-profile")
     config = _config(args)
     sampling = _sampling(args)
-    result = _run(_generate(args.model, config, _prompt_text(_prompt(args)), args.n_predict, echo=not args.json,
-                            progress=args.progress, csv_path=args.csv, sampling=sampling, stop=args.stop,
-                            quiet=args.quiet))
+    partial: dict = {}
+    try:
+        result = _run(_generate(args.model, config, _prompt_text(_prompt(args)), args.n_predict,
+                                echo=not args.json, progress=args.progress, csv_path=args.csv, sampling=sampling,
+                                stop=args.stop, quiet=args.quiet, partial=partial))
+    except Interrupted:
+        if args.json and partial:  # what was made before the signal, still one JSON object
+            print(json.dumps(partial | {"finish_reason": partial.get("finish_reason") or "cancelled"}))
+        raise
     if args.json:
         print(json.dumps(result))
     else:

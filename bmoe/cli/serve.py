@@ -36,7 +36,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    _check_outputs(args, _model_files(args.model), "--route-trace")
+    _check_outputs(args, _model_files(args.model), "--route-trace", "--cache-profile")
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be 0..65535, got {args.port}")
     if not 0 <= args.queue <= 10_000:

@@ -344,7 +344,7 @@ class Session:
         if len(tokens) + max_tokens > self._model.n_ctx:
             raise ConfigError(
                 f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceed the context "
-                f"({self._model.n_ctx}); raise n_ctx"
+                f"({self._model.n_ctx}); raise the context size (n_ctx; -c on the command line)"
             )
         if self._lock is None:
             self._lock = asyncio.Lock()
@@ -596,6 +596,9 @@ class Session:
             out.append(self._streaming.budget.warning)
         if self.io_fallback_reason:
             out.append(f"O_DIRECT is off: {self.io_fallback_reason}")
+        if self.n_ctx != self.config.n_ctx:  # llama.cpp pads the context to a multiple of 256
+            out.append(f"the context holds {self.n_ctx} tokens, not the {self.config.n_ctx} asked for "
+                       f"(llama.cpp rounds it up to a multiple of 256)")
         return out
 
     @property

@@ -73,3 +73,52 @@ def check_output_dir(path: PathLike, flag: str, inputs: Iterable[PathLike] = ())
     if probe is None or not os.access(probe, os.W_OK | os.X_OK):
         raise OutputPathError(f"{flag} {out}: {probe} is not writable")
     return out
+
+
+def check_new_file(path: PathLike, what: str, *, force: bool = False) -> Path:
+    """A file a command writes whole (a model): refused when something is already there, unless
+    ``force``; a folder, always. Forced, the old name is unlinked first, so that a symbolic or hard
+    link to another file (a downloaded model) is replaced rather than written through. Character
+    devices (``/dev/null``) are written as they are."""
+    out = Path(path)
+    try:
+        st = os.lstat(out)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise OutputPathError(f"{what} {out}: {e.strerror}") from None
+    if st is not None:
+        target_is_dir = out.is_dir()
+        if target_is_dir:
+            raise OutputPathError(f"{what} {out} is a folder, not a file")
+        if stat.S_ISCHR(os.stat(out).st_mode if out.exists() else st.st_mode):
+            return out
+        if not force:
+            kind = "a link to an existing file" if stat.S_ISLNK(st.st_mode) else "an existing file"
+            raise OutputPathError(f"{what} {out} is {kind}; refusing to overwrite it (--force replaces it)")
+        try:
+            os.unlink(out)
+        except OSError as e:
+            raise OutputPathError(f"{what} {out}: cannot replace it: {e.strerror}") from None
+    folder = out.resolve().parent
+    if not folder.is_dir():
+        raise OutputPathError(f"{what} {out}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OutputPathError(f"{what} {out}: folder {folder} is not writable")
+    return out
+
+
+def check_plot_output(path: PathLike, flag: str) -> Path:
+    """A plot's path whose extension matplotlib can write, checked before the work it would plot
+    (a bench of many minutes, a sweep) rather than after it."""
+    out = Path(path)
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise OutputPathError(f"{flag} needs matplotlib: pip install 'bmoe[plot]'") from None
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    kind = out.suffix.lstrip(".").lower()
+    if kind not in kinds:
+        raise OutputPathError(f"{flag} {out}: matplotlib cannot write {kind or 'a file without an extension'!r}; "
+                              f"use one of {', '.join(sorted(kinds))}")
+    return out

@@ -81,6 +81,7 @@ from gguf import (
 )
 
 from bmoe.errors import ConfigError
+from bmoe.io.paths import check_new_file
 from bmoe.synth.families import FAMILIES
 from bmoe.synth.shapes import (
     RESIDUAL_RMS,
@@ -986,6 +987,7 @@ def add_synth_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
                         f"experts one layer early is right as often as on a real model (default "
                         f"{DEFAULT_ROUTE_DRIFT:g}: about 82 %% of a token's experts; 0.1: about 90 %%, 0.3: "
                         f"about 74 %%; 0: always right, a best case); qwen3-30b-a3b only")
+    p.add_argument("--force", action="store_true", help="replace an existing file (never written through a link)")
     p.set_defaults(func=_cmd_synth)
     return p
 
@@ -995,6 +997,7 @@ def _cmd_synth(args: argparse.Namespace) -> int:
     skew = args.skew and get_shape(args.like).name in ROUTING_PROFILES
     spec = SynthSpec(like=args.like, n_layer=args.layers, wtype=args.wtype, seed=args.seed,
                      skew=skew, n_expert_used=args.experts_used, route_drift=args.route_drift)
+    check_new_file(args.out, "synth", force=args.force)
     check_destination(args.out, total_bytes(spec))
     print(describe(spec), file=sys.stderr)
     from tqdm import tqdm

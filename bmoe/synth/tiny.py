@@ -423,6 +423,13 @@ def _pad(f: BinaryIO, align: int = GGUF_ALIGNMENT) -> None:
     f.write(b"\0" * (-f.tell() % align))
 
 
+def tiny_files(path: Path, shards: int) -> list[Path]:
+    """The files ``write_tiny`` writes for ``shards`` shards: ``path``, or the split set beside it."""
+    if shards == 1:
+        return [path]
+    return [path.with_name(_SHARD_NAME.format(path.stem, i + 1, shards)) for i in range(shards)]
+
+
 def write_tiny(path: str | os.PathLike, spec: TinySpec,
                progress: Callable[[int, int], None] | None = None,
                edit_metadata: Callable[[GGUFWriter], None] | None = None) -> list[Path]:
@@ -444,7 +451,7 @@ def write_tiny(path: str | os.PathLike, spec: TinySpec,
         raise ConfigError(f"shards must be in [1, {n_expert_tensors}] (each shard holds an expert tensor), got {spec.shards}")
     groups = _shard_groups(tensors, spec.shards)
     n = len(groups)
-    files = [path] if n == 1 else [path.with_name(_SHARD_NAME.format(path.stem, i + 1, n)) for i in range(n)]
+    files = tiny_files(path, n)
     total = sum(t.nbytes for t in tensors)
     done = 0
 
