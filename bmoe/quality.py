@@ -177,7 +177,7 @@ def _check_finite(logits: np.ndarray, side: str, prompt: int) -> None:
 def add_quality_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "quality", help="measure a lossy lever: agreement and KL vs the exact run, and tok/s of both",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        description=__doc__.split("\n\n")[0].replace("``", "") if __doc__ else None,
     )
     p.add_argument("model", type=Path, help="GGUF file (shard 1 of a split set)")
     p.add_argument("--lossy", required=True, metavar='"FLAGS"',

@@ -146,3 +146,23 @@ def test_run_json_interrupted_still_prints_one_json_object(tiny) -> None:
     assert proc.returncode == 130, err
     result = json.loads(out)
     assert result["finish_reason"] == "cancelled" and 0 < result["n_tokens"] == len(result["tokens"]) < 1900
+
+
+def test_a_dense_model_is_told_apart_from_a_broken_moe(tmp_path: Path) -> None:
+    import numpy as np
+    from gguf import GGUFWriter
+
+    path = tmp_path / "dense.gguf"
+    w = GGUFWriter(path, "llama")
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(8)
+    w.add_feed_forward_length(16)
+    w.add_head_count(1)
+    w.add_tensor("blk.0.ffn_up.weight", np.zeros((16, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    line = one_line(bmoe("run", "-m", str(path), "-p", "hi"), 1)
+    assert "not a Mixture-of-Experts" in line

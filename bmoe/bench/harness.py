@@ -136,7 +136,7 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
     """Register ``bench`` with its handler (``args.func(args)`` returns the exit code)."""
     p = subparsers.add_parser(
         "bench", help="measure resident, mmap and streamed runs of one model side by side",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        description=__doc__.split("\n\n")[0].replace("``", "") if __doc__ else None,
     )
     p.add_argument("model", type=Path, help="GGUF file (shard 1 of a split set)")
     p.add_argument("--ram-limit", type=_positive_float, default=None, metavar="GB",

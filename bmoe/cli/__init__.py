@@ -85,7 +85,8 @@ def _version() -> str:
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = _Parser(prog="bmoe", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="bmoe", description="Run Mixture-of-Experts GGUF models bigger than RAM: the "
+                     "dense part in memory, each token's experts read from disk.")
     parser.add_argument("--list-archs", action=_ListArchs)
     parser.add_argument("--version", action="version", version=_version())
     _verbosity_flags(parser, top=True)

@@ -159,8 +159,6 @@ def _escaped(text: str) -> str:
 
 
 def _sampling(args: argparse.Namespace):  # noqa: ANN202 - a bmoe.engine.sampling.SamplingParams
-    from bmoe.engine.sampling import SamplingParams
-
     grammar = schema = None
     if args.grammar_file is not None:
         try:
@@ -169,7 +167,7 @@ def _sampling(args: argparse.Namespace):  # noqa: ANN202 - a bmoe.engine.samplin
             raise ConfigError(f"--grammar-file {args.grammar_file}: {getattr(exc, 'strerror', None) or exc}") from None
     if args.json_schema is not None:
         text = args.json_schema
-        if not text.lstrip().startswith("{"):
+        if not text.lstrip().startswith(("{", "[")):
             try:
                 text = Path(text).read_text()
             except (OSError, UnicodeDecodeError) as exc:
@@ -179,6 +177,17 @@ def _sampling(args: argparse.Namespace):  # noqa: ANN202 - a bmoe.engine.samplin
             schema = json.loads(text)
         except ValueError as exc:
             raise ConfigError(f"--json-schema: not valid JSON ({exc})") from None
+        if not isinstance(schema, dict):
+            raise ConfigError(f"--json-schema: a schema is a JSON object, got {type(schema).__name__}")
+    try:
+        return _sampling_params(args, grammar, schema)
+    except ConfigError as exc:
+        raise _in_flags(exc) from None
+
+
+def _sampling_params(args: argparse.Namespace, grammar: str | None, schema: object):  # noqa: ANN202
+    from bmoe.engine.sampling import SamplingParams
+
     return SamplingParams(
         temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repeat_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
@@ -204,15 +213,44 @@ def _warn_ignored(args: argparse.Namespace) -> None:
     given = [flag for flag, on in (
         ("--cache-mb", args.cache_mb != 0), ("--cache-ceil-mb", args.cache_ceil_mb is not None),
         ("--io-threads", args.io_threads != 2), ("--no-odirect", args.no_odirect),
-        ("--open-mode", args.open_mode != "auto"),
+        ("--open-mode", args.open_mode != "auto"), ("--cache-profile", args.cache_profile is not None),
+        ("--prewarm", args.prewarm),
     ) if on]
     if given:
         print(f"bmoe: warning: {', '.join(given)} {'does' if len(given) == 1 else 'do'} nothing with --resident "
               "(nothing is streamed)", file=sys.stderr)
 
 
+# RunConfig / SamplingParams field names as the command line spells them: their errors name the
+# API's fields (a Python caller's words); a command line user is told the flag instead.
+_FLAG_OF = {
+    "mode='stream'": "streaming (no --resident)", "mode='resident'": "--resident",
+    "cache_bytes": "--cache-mb", "cache_ceiling_bytes": "--cache-ceil-mb", "cache_profile": "--cache-profile",
+    "prefetch_layers": "--prefetch", "predict_prefetch": "--predict-prefetch", "predict_prompt": "--predict-prompt",
+    "route_ahead": "--route-ahead", "drop_cold_experts": "--drop-cold-experts", "n_expert_used": "--n-expert-used",
+    "drop_prefill": "--drop-prefill", "route_trace": "--route-trace", "io_threads": "--io-threads",
+    "n_threads": "-t", "n_ctx": "-c", "open_mode": "--open-mode", "dense_weights": "--dense-weights",
+    "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p", "repeat_penalty": "--repeat-penalty",
+    "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
+    "json_schema": "--json-schema", "json_object": "a JSON object", "temperature": "--temp",
+}
+_FLAG_WORDS = re.compile("|".join(rf"(?<![\w-]){re.escape(k)}(?![\w-])" for k in sorted(_FLAG_OF, key=len, reverse=True)))
+
+
+def _in_flags(exc: ConfigError) -> ConfigError:
+    """The same error in the command line's words (``cache_bytes`` -> ``--cache-mb``)."""
+    return type(exc)(_FLAG_WORDS.sub(lambda m: _FLAG_OF[m.group(0)], str(exc)))
+
+
 def _config(args: argparse.Namespace) -> RunConfig:
     _warn_ignored(args)
+    try:
+        return _run_config(args)
+    except ConfigError as exc:
+        raise _in_flags(exc) from None
+
+
+def _run_config(args: argparse.Namespace) -> RunConfig:
     return RunConfig(
         mode=args.mode,
         io_threads=args.io_threads,

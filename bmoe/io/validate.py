@@ -97,6 +97,9 @@ def _recipe(first: ShardIndex) -> Recipe:
 
 def _check_required_keys(first: ShardIndex, recipe: Recipe) -> None:
     missing = [recipe.key(k) for k in recipe.required_keys if recipe.key(k) not in first.keys]
+    if recipe.key("expert_count") in missing and not any("_exps" in t.name for t in first.tensors):
+        raise MissingKeyError(f"{first.path}: a dense {recipe.arch} model, not a Mixture-of-Experts one (no expert "
+                              f"count, no expert tensors): bmoe streams experts, plain llama.cpp runs this file")
     if missing:
         raise MissingKeyError(f"{first.path}: {recipe.arch} needs metadata key(s) {', '.join(missing)}")
 
