@@ -153,11 +153,11 @@ class SynthSpec:
         gamma = self.route_drift
         if gamma is not None and not (math.isfinite(gamma) and 0.0 <= gamma <= 10.0):
             raise ConfigError(f"--route-drift must be in [0, 10], got {self.route_drift}")
-        if self.route_drift and not self.skew:
-            raise ConfigError("--route-drift moves the structured routers' inputs: it needs skew (drop --no-skew)")
         if self.route_drift and shape.name not in RESIDUAL_RMS:
             raise ConfigError(f"--route-drift needs the residual stream's measured RMS per layer, which "
                               f"is known for {', '.join(RESIDUAL_RMS)} only (bench/residual_rms.py measures it)")
+        if self.route_drift and not self.skew:
+            raise ConfigError("--route-drift moves the structured routers' inputs: it needs skew (drop --no-skew)")
         if self.n_expert_used is not None and not 1 <= self.n_expert_used <= shape.n_expert:
             raise ConfigError(
                 f"experts used must be in [1, {shape.n_expert}] for {shape.name}, got {self.n_expert_used}")
