@@ -6,20 +6,29 @@ objects, or their ``...chunk`` pieces with ``stream=True``), with ``usage`` in t
 chunk. The Python API (``Session.create_completion``, ``SyncSession``) and the HTTP server are thin
 fronts over these two functions, so both say the same thing in the same shape.
 
+Each is two steps: ``prepare_completion`` / ``prepare_chat_completion`` check every value, render
+and tokenize the prompt and check it fits the context (a ``ParamError`` naming the request field
+otherwise), without touching the context; ``run`` generates. The server prepares a request as soon
+as it arrives and queues only what was accepted, so both fronts refuse the same things, and a bad
+request is refused at once even while another generation runs.
+
 One difference from llama-cpp-python on purpose: sampling is greedy unless a temperature is given
 (bmoe's default everywhere), so the same request gives the same answer.
 """
 
 from __future__ import annotations
 
+import codecs
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from bmoe.engine.chat import Message
-from bmoe.engine.sampling import SamplingParams, TokenLogprob
+from bmoe.engine.sampling import ParamError, SamplingParams, TokenLogprob
+from bmoe.engine.stops import StopStrings
 from bmoe.errors import ConfigError
 
 # ``Session`` and ``Piece`` (bmoe.engine.session) are named in annotations only: session.py imports
@@ -27,6 +36,19 @@ from bmoe.errors import ConfigError
 Session = Piece = Any
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
+CONTEXT_FIX = "open the session with a larger RunConfig.n_ctx"
+
+
+class ContextOverflow(ParamError):
+    """A prompt (with the tokens asked for) longer than the context. The message names the knob
+    that makes the context larger; a front with its own knob (a server's flag) says ``with_fix``."""
+
+    def __init__(self, what: str, n_ctx: int, param: str) -> None:
+        self.what, self.n_ctx = what, n_ctx
+        super().__init__(self.with_fix(CONTEXT_FIX), param, "context_length_exceeded")
+
+    def with_fix(self, fix: str) -> str:
+        return f"{self.what} does not fit the context ({self.n_ctx} tokens); {fix}"
 
 
 def sampling_from(
@@ -34,73 +56,270 @@ def sampling_from(
     min_p: float | None = None, repeat_penalty: float | None = None, presence_penalty: float | None = None,
     frequency_penalty: float | None = None, seed: int | None = None, grammar: str | None = None,
     response_format: Mapping[str, Any] | None = None, logprobs: int | None = None,
+    logit_bias: Mapping[str, float] | None = None, logprobs_param: str = "logprobs",
 ) -> SamplingParams:
-    """A SamplingParams from request-style arguments (None: the default)."""
+    """A SamplingParams from request-style arguments (None: the default; ``seed`` -1: a fresh one,
+    as llama.cpp spells it). ``logprobs_param`` is the request field that asked for logprobs (a
+    chat's ``top_logprobs``), named when its value is refused."""
     kw: dict[str, Any] = {}
+    if seed == -1 and not isinstance(seed, bool):
+        seed = None
     for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("min_p", min_p),
                         ("repeat_penalty", repeat_penalty), ("presence_penalty", presence_penalty),
                         ("frequency_penalty", frequency_penalty), ("seed", seed), ("grammar", grammar),
                         ("logprobs", logprobs)):
         if value is not None:
             kw[name] = value
+    if logit_bias is not None:
+        kw["logit_bias"] = _logit_bias(logit_bias)
     if response_format is not None:
-        if not isinstance(response_format, Mapping):
-            raise ConfigError("response_format must be an object with a 'type'")
-        kind = response_format.get("type")
-        if kind == "json_object":
-            if response_format.get("schema") is not None:  # llama-cpp-python's spelling
-                kw["json_schema"] = response_format["schema"]
-            else:
-                kw["json_object"] = True
-        elif kind == "json_schema":
-            spec = response_format.get("json_schema")
-            schema = spec.get("schema") if isinstance(spec, Mapping) else None
-            if schema is None:
-                raise ConfigError("response_format json_schema needs json_schema.schema")
-            kw["json_schema"] = schema
-        elif kind != "text":
-            raise ConfigError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
-    return SamplingParams(**kw)
+        kw.update(_response_format(response_format))
+    try:
+        return SamplingParams(**kw)
+    except ParamError as exc:
+        rename = {"json_schema": "response_format", "json_object": "response_format", "logprobs": logprobs_param}
+        raise ParamError(str(exc), rename.get(exc.param, exc.param)) from None
 
 
-def _max_tokens(value: int | None, default: int | None, session: Session, n_prompt: int) -> int:
+def _logit_bias(bias: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}`` as (token id, bias) pairs (range checks: SamplingParams)."""
+    if not isinstance(bias, Mapping):
+        raise ParamError("logit_bias must be an object of token id: bias", "logit_bias")
+    pairs = []
+    for key, value in bias.items():
+        token = key if isinstance(key, int) and not isinstance(key, bool) else None
+        if isinstance(key, str) and key.isascii() and key.isdigit():
+            token = int(key)
+        if token is None:
+            raise ParamError(f"logit_bias keys are token ids, got {key!r}", "logit_bias")
+        pairs.append((token, value))
+    return tuple(pairs)
+
+
+def _response_format(spec: Any) -> dict[str, Any]:
+    if not isinstance(spec, Mapping):
+        raise ParamError("response_format must be an object with a 'type'", "response_format")
+    kind = spec.get("type")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        schema = spec.get("schema")  # llama-cpp-python's spelling of a schema in JSON mode
+        if schema is None:
+            return {"json_object": True}
+    elif kind == "json_schema":
+        inner = spec.get("json_schema")
+        schema = inner.get("schema") if isinstance(inner, Mapping) else None
+        if schema is None:
+            raise ParamError("response_format json_schema needs json_schema.schema", "response_format")
+    else:
+        raise ParamError(f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                         "response_format")
+    if not isinstance(schema, Mapping):
+        raise ParamError("response_format: the schema must be a JSON object", "response_format")
+    return {"json_schema": dict(schema)}
+
+
+def _max_tokens(value: Any, default: int | None, session: Session, n_prompt: int, prompt_param: str) -> int:
     if n_prompt >= session.n_ctx:
-        raise ConfigError(f"the prompt ({n_prompt} tokens) does not fit the context ({session.n_ctx} tokens)")
+        raise ContextOverflow(f"the prompt ({n_prompt} tokens)", session.n_ctx, prompt_param)
     if value is None:
         value = default if default is not None else session.n_ctx - n_prompt
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"max_tokens must be a positive integer, got {value!r}")
+        raise ParamError(f"max_tokens must be a positive integer, got {value!r}", "max_tokens")
+    if n_prompt + value > session.n_ctx:
+        raise ContextOverflow(f"the prompt ({n_prompt} tokens) with max_tokens {value}", session.n_ctx,
+                              "max_tokens")
     return value
 
 
 def messages_from(messages: Any) -> list[Message]:
     """Chat messages from OpenAI-style dicts (content as text, or a list of text parts)."""
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)) or not messages:
-        raise ConfigError("messages must be a non-empty list of {role, content} objects")
+        raise ParamError("messages must be a non-empty list of {role, content} objects", "messages")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or m.get("role") not in ROLES:
-            raise ConfigError(f"messages[{i}] needs a role among {', '.join(ROLES)}")
+            raise ParamError(f"messages[{i}] needs a role among {', '.join(ROLES)}", "messages")
         content = m.get("content")
         if content is None:
             content = ""
         elif isinstance(content, list):
             parts = [p.get("text") for p in content if isinstance(p, Mapping) and p.get("type") == "text"]
             if len(parts) != len(content) or not all(isinstance(p, str) for p in parts):
-                raise ConfigError(f"messages[{i}].content: only text parts are supported")
+                raise ParamError(f"messages[{i}].content: only text parts are supported", "messages")
             content = "".join(parts)
         elif not isinstance(content, str):
-            raise ConfigError(f"messages[{i}].content must be text")
+            raise ParamError(f"messages[{i}].content must be text", "messages")
         role = "system" if m["role"] == "developer" else m["role"]
         out.append(Message(role, content))
     return out
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A completion request the engine has accepted, not run yet: every value checked, the prompt
+    rendered and tokenized, the context length checked. What ``run`` needs and nothing else.
+
+    Preparing touches only the vocabulary (read-only in llama.cpp) and the chat template, never the
+    context, so a server prepares a request as it arrives, while another generation runs, and
+    refuses a bad one at once instead of when its turn comes. Only a grammar is compiled at the
+    turn (by the sampler)."""
+
+    kind: str  # "text_completion" | "chat.completion"
+    tokens: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    model: str
+    logprobs: bool  # report them (how many alternatives: sampling.logprobs)
+    splitter: Callable[[], Any] | None = None  # chat: a fresh reasoning / answer splitter
+
+
+def _one(name: str, value: Any, allowed: Callable[[Any], bool], why: str) -> None:
+    if not allowed(value):
+        raise ParamError(f"{name} {why}", name)
+
+
+def _common(session: Session, *, stream: Any, stop: Any, n: Any, model: Any) -> tuple[tuple[str, ...], str]:
+    _one("stream", stream, lambda v: isinstance(v, bool), "must be true or false")
+    _one("n", n, lambda v: v == 1 and not isinstance(v, bool), f"must be 1 (one generation at a time), got {n!r}")
+    _one("model", model, lambda v: v is None or isinstance(v, str), "must be text")
+    try:
+        stops = StopStrings(stop).stops
+    except ConfigError as exc:
+        raise ParamError(str(exc), "stop") from None
+    return stops, model or session.model_name
+
+
+def _tokenize(session: Session, text: str, param: str, special: bool = False) -> list[int]:
+    try:
+        return session.tokenize(text, special=special)
+    except UnicodeEncodeError:
+        raise ParamError(f"{param}: the text is not valid Unicode (a lone surrogate)", param) from None
+
+
+def _prompt_tokens(session: Session, prompt: Any) -> list[int]:
+    if isinstance(prompt, Sequence) and not isinstance(prompt, str) and prompt and all(
+            isinstance(p, str) for p in prompt):
+        if len(prompt) > 1:
+            raise ParamError(f"one prompt at a time, got {len(prompt)}", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        tokens = _tokenize(session, prompt, "prompt")
+    elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        tokens = list(prompt)
+        n_vocab = session.n_vocab
+        bad = [t for t in tokens if not 0 <= t < n_vocab]
+        if bad:
+            raise ParamError(f"token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})", "prompt")
+    else:
+        raise ParamError("a prompt is text or a list of token ids", "prompt")
+    if not tokens:
+        raise ParamError("the prompt tokenizes to nothing", "prompt")
+    return tokens
+
+
+def _vocab_bias(session: Session, params: SamplingParams) -> None:
+    n_vocab = session.n_vocab
+    bad = [t for t, _ in params.logit_bias if t >= n_vocab]
+    if bad:
+        raise ParamError(f"logit_bias: token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})", "logit_bias")
+
+
+def prepare_completion(
+    session: Session, prompt: str | Sequence[int] | Sequence[str], *, max_tokens: int | None = 16,
+    stream: bool = False, stop: str | Sequence[str] | None = None, logprobs: int | None = None,
+    model: str | None = None, n: int = 1, echo: bool = False, suffix: str | None = None,
+    best_of: int | None = None, **sampling: Any,
+) -> Prepared:
+    """A ``create_completion`` request checked and tokenized (``run`` answers it). ``prompt`` may
+    also be a list of one string. ``echo``, ``suffix`` and ``best_of`` > 1 are refused, not
+    ignored: bmoe does not do them."""
+    stops, name = _common(session, stream=stream, stop=stop, n=n, model=model)
+    _one("echo", echo, lambda v: v is False, "is not supported (only false)")
+    _one("suffix", suffix, lambda v: v is None or v == "", "is not supported")
+    _one("best_of", best_of, lambda v: v is None or (v == 1 and not isinstance(v, bool)), "must be 1")
+    params = sampling_from(logprobs=logprobs, **sampling)
+    _vocab_bias(session, params)
+    tokens = _prompt_tokens(session, prompt)
+    limit = _max_tokens(max_tokens, 16, session, len(tokens), "prompt")
+    return Prepared("text_completion", tuple(tokens), limit, params, stops, stream, name, logprobs is not None)
+
+
+def _tools(tools: Any, tool_choice: Any, functions: Any, function_call: Any) -> None:
+    """Tool calls are not parsed out of a reply: a request that asks for them is refused rather
+    than answered as if no tools were given. ``tool_choice: "none"`` (or no tools) is fine."""
+    for name, given, choice, choice_name in (("tools", tools, tool_choice, "tool_choice"),
+                                             ("functions", functions, function_call, "function_call")):
+        if given is not None and not isinstance(given, list):
+            raise ParamError(f"{name} must be a list", name)
+        if given and choice != "none":
+            raise ParamError(f"{name} are not supported (bmoe does not parse tool calls); "
+                             f"send {choice_name} 'none' or leave them out", name)
+        if not given and choice not in (None, "none", "auto"):
+            raise ParamError(f"{choice_name} {choice!r} needs {name}, which are not supported", choice_name)
+
+
+def prepare_chat_completion(
+    session: Session, messages: Any, *, max_tokens: int | None = None, stream: bool = False,
+    stop: str | Sequence[str] | None = None, logprobs: bool = False, top_logprobs: int | None = None,
+    model: str | None = None, n: int = 1, chat_template_kwargs: Mapping[str, Any] | None = None,
+    tools: Any = None, tool_choice: Any = None, functions: Any = None, function_call: Any = None,
+    **sampling: Any,
+) -> Prepared:
+    """A ``create_chat_completion`` request checked, rendered with the model's template and
+    tokenized (``run`` answers it)."""
+    stops, name = _common(session, stream=stream, stop=stop, n=n, model=model)
+    _one("logprobs", logprobs, lambda v: isinstance(v, bool), "must be true or false for a chat completion")
+    _one("chat_template_kwargs", chat_template_kwargs, lambda v: v is None or isinstance(v, Mapping),
+         "must be an object")
+    _tools(tools, tool_choice, functions, function_call)
+    params = sampling_from(logprobs=(top_logprobs or 0) if logprobs else None, logprobs_param="top_logprobs",
+                           **sampling)
+    _vocab_bias(session, params)
+    fmt = session.chat_format()
+    prompt = fmt.render(messages_from(messages), chat_template_kwargs)
+    tokens = _tokenize(session, prompt, "messages", special=True)
+    limit = _max_tokens(max_tokens, None, session, len(tokens), "messages")
+    return Prepared("chat.completion", tuple(tokens), limit, params, stops, stream, name, logprobs,
+                    lambda: fmt.splitter(prompt))
+
+
+async def completion(session: Session, prompt: str | Sequence[int], **kwargs: Any) -> Any:
+    """``create_completion``: a ``text_completion`` dict, or with ``stream=True`` an async iterator
+    of chunk dicts (the last one carries ``finish_reason`` and ``usage``). ``kwargs``: those of
+    ``prepare_completion``, then of ``sampling_from``."""
+    return await run(session, prepare_completion(session, prompt, **kwargs))
+
+
+async def chat_completion(session: Session, messages: Any, **kwargs: Any) -> Any:
+    """``create_chat_completion``: the conversation rendered with the model's own chat template,
+    answered as a ``chat.completion`` dict or ``chat.completion.chunk`` dicts.
+
+    ``chat_template_kwargs`` reach the template (``{"enable_thinking": False}``). A reply that
+    thinks in ``<think>...</think>`` or in gpt-oss's analysis channel has its reasoning in
+    ``reasoning_content`` beside ``content`` (message and deltas), as llama-server reports it."""
+    return await run(session, prepare_chat_completion(session, messages, **kwargs))
+
+
+async def run(session: Session, prepared: Prepared) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
+    """Generate the answer to a prepared request: its dict, or (``stream``) an async iterator of
+    chunk dicts whose first piece is already drawn, so a grammar llama.cpp refuses fails here,
+    before a server has sent its status line."""
+    if not isinstance(prepared, Prepared):
+        raise ConfigError(f"run needs a Prepared request, got {type(prepared).__name__}")
+    pieces = session.stream(list(prepared.tokens), prepared.max_tokens, sampling=prepared.sampling,
+                            stop=prepared.stop)
+    answer = _chat if prepared.kind == "chat.completion" else _text
+    return await answer(session, prepared, pieces, _Ids(prepared))
+
+
 class _Ids:
-    def __init__(self, prefix: str, model: str | None, session: Session) -> None:
-        self.id = f"{prefix}-{uuid.uuid4().hex}"
+    def __init__(self, prepared: Prepared) -> None:
+        self.id = f"{'chatcmpl' if prepared.kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.model = model or session.model_name
+        self.model = prepared.model
 
 
 def _usage(piece: Piece) -> dict[str, Any]:
@@ -118,95 +337,71 @@ def _chat_logprob(session: Session, lp: TokenLogprob) -> dict[str, Any]:
     return {**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
 
 
-async def completion(
-    session: Session, prompt: str | Sequence[int], *, max_tokens: int | None = 16, stream: bool = False,
-    stop: str | Sequence[str] | None = None, logprobs: int | None = None, model: str | None = None,
-    n: int = 1, **sampling: Any,
-) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
-    """``create_completion``: a ``text_completion`` dict, or with ``stream=True`` an async iterator
-    of chunk dicts (the last one carries ``finish_reason`` and ``usage``). ``sampling``: the
-    arguments of ``sampling_from``."""
-    if n != 1:
-        raise ConfigError(f"n must be 1 (one generation at a time), got {n!r}")
-    params = sampling_from(logprobs=logprobs, **sampling)
-    tokens = session.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-    limit = _max_tokens(max_tokens, 16, session, len(tokens))
-    ids = _Ids("cmpl", model, session)
-    pieces = session.stream(tokens, limit, sampling=params, stop=stop)
+class _Offsets:
+    """``text_offset`` of each token: where its own text starts in the completion. Counted over the
+    tokens' text, not the text released so far, which lags while a stop string's prefix is held."""
 
-    def choice(text: str, piece: Piece, offset: int) -> dict[str, Any]:
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._at = 0
+
+    def next(self, token_bytes: bytes) -> int:
+        at = self._at
+        self._at += len(self._decoder.decode(token_bytes))
+        return at
+
+
+async def _text(session: Session, p: Prepared, pieces: AsyncIterator[Piece], ids: _Ids) -> Any:
+    offsets = _Offsets()
+
+    def choice(piece: Piece) -> dict[str, Any]:
         lp = None
-        if logprobs is not None and piece.logprob is not None:
-            tok = session.token_bytes(piece.token).decode("utf-8", errors="replace")  # type: ignore[arg-type]
-            lp = {"tokens": [tok], "text_offset": [offset], "token_logprobs": [piece.logprob.logprob],
+        if p.logprobs and piece.logprob is not None:
+            own = session.token_bytes(piece.token)
+            lp = {"tokens": [own.decode("utf-8", errors="replace")], "text_offset": [offsets.next(own)],
+                  "token_logprobs": [piece.logprob.logprob],
                   "top_logprobs": [{session.token_bytes(t).decode("utf-8", errors="replace"): v
                                     for t, v in piece.logprob.top}]}
-        return {"text": text, "index": 0, "logprobs": lp, "finish_reason": piece.finish_reason}
+        return {"text": piece.text, "index": 0, "logprobs": lp, "finish_reason": piece.finish_reason}
 
     def chunk(body: dict[str, Any]) -> dict[str, Any]:
         return {"id": ids.id, "object": "text_completion", "created": ids.created, "model": ids.model, **body}
 
-    if stream:
+    if p.stream:
         first = await _prime(pieces)
 
         async def chunks() -> AsyncIterator[dict[str, Any]]:
-            offset = 0
             async with aclosing(pieces):
                 async for piece in _chain(first, pieces):
-                    body = {"choices": [choice(piece.text, piece, offset)]}
-                    offset += len(piece.text)
+                    body = {"choices": [choice(piece)]}
                     if piece.finish_reason is not None:
                         body["usage"] = _usage(piece)
                     yield chunk(body)
 
         return chunks()
     parts, lps, last = [], [], None
-    offset = 0
     async with aclosing(pieces):
         async for piece in pieces:
+            c = choice(piece)
             parts.append(piece.text)
-            if piece.logprob is not None and logprobs is not None:
-                lps.append(choice(piece.text, piece, offset)["logprobs"])
-            offset += len(piece.text)
+            if c["logprobs"] is not None:
+                lps.append(c["logprobs"])
             last = piece
     assert last is not None
     merged = None
-    if logprobs is not None:
+    if p.logprobs:
         merged = {k: [x for lp in lps for x in lp[k]] for k in ("tokens", "text_offset", "token_logprobs", "top_logprobs")}
     return chunk({"choices": [{"text": "".join(parts), "index": 0, "logprobs": merged,
                                "finish_reason": last.finish_reason}], "usage": _usage(last)})
 
 
-async def chat_completion(
-    session: Session, messages: Any, *, max_tokens: int | None = None, stream: bool = False,
-    stop: str | Sequence[str] | None = None, logprobs: bool = False, top_logprobs: int | None = None,
-    model: str | None = None, n: int = 1, chat_template_kwargs: Mapping[str, Any] | None = None,
-    **sampling: Any,
-) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
-    """``create_chat_completion``: the conversation rendered with the model's own chat template,
-    answered as a ``chat.completion`` dict or ``chat.completion.chunk`` dicts.
-
-    ``chat_template_kwargs`` reach the template (``{"enable_thinking": False}``). A reply that
-    thinks in ``<think>...</think>`` or in gpt-oss's analysis channel has its reasoning in
-    ``reasoning_content`` beside ``content`` (message and deltas), as llama-server reports it."""
-    if n != 1:
-        raise ConfigError(f"n must be 1 (one generation at a time), got {n!r}")
-    if not isinstance(logprobs, bool):
-        raise ConfigError("logprobs must be true or false for a chat completion")
-    params = sampling_from(logprobs=(top_logprobs or 0) if logprobs else None, **sampling)
-    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
-        raise ConfigError("chat_template_kwargs must be an object")
-    fmt = session.chat_format()
-    prompt = fmt.render(messages_from(messages), chat_template_kwargs)
-    split = fmt.splitter(prompt)
-    tokens = session.tokenize(prompt, special=True)
-    limit = _max_tokens(max_tokens, None, session, len(tokens))
-    ids = _Ids("chatcmpl", model, session)
-    pieces = session.stream(tokens, limit, sampling=params, stop=stop)
+async def _chat(session: Session, p: Prepared, pieces: AsyncIterator[Piece], ids: _Ids) -> Any:
+    assert p.splitter is not None
+    split = p.splitter()
 
     def chunk(delta: dict[str, Any], piece: Piece | None) -> dict[str, Any]:
         lp = None
-        if logprobs and piece is not None and piece.logprob is not None:
+        if p.logprobs and piece is not None and piece.logprob is not None:
             lp = {"content": [_chat_logprob(session, piece.logprob)]}
         body: dict[str, Any] = {
             "id": ids.id, "object": "chat.completion.chunk", "created": ids.created, "model": ids.model,
@@ -217,7 +412,7 @@ async def chat_completion(
             body["usage"] = _usage(piece)
         return body
 
-    if stream:
+    if p.stream:
         first = await _prime(pieces)
 
         async def chunks() -> AsyncIterator[dict[str, Any]]:
@@ -242,7 +437,7 @@ async def chat_completion(
             reasoning, answer = split.feed(piece.text)
             parts.append(answer)
             thoughts.append(reasoning)
-            if logprobs and piece.logprob is not None:
+            if p.logprobs and piece.logprob is not None:
                 content_lps.append(_chat_logprob(session, piece.logprob))
             last = piece
     assert last is not None
@@ -253,7 +448,7 @@ async def chat_completion(
     return {
         "id": ids.id, "object": "chat.completion", "created": ids.created, "model": ids.model,
         "choices": [{"index": 0, "message": message,
-                     "logprobs": {"content": content_lps} if logprobs else None,
+                     "logprobs": {"content": content_lps} if p.logprobs else None,
                      "finish_reason": last.finish_reason}],
         "usage": _usage(last),
     }

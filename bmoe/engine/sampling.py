@@ -28,6 +28,23 @@ from bmoe.errors import ConfigError
 # JSON mode: any JSON value whose top level is an object (llama.cpp's json.gbnf, object root).
 _JSON_OBJECT_ROOT = "root ::= object"
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+# llama-cpp-python 0.3.36's schema converter lets a JSON string hold raw control characters (and a
+# pattern's "." a raw quote or backslash), which no JSON parser accepts: its rules, as it writes
+# them, and the ones JSON allows (json.gbnf's string characters). Replaced only when found
+# verbatim, so a corrected converter is left as it is.
+_SCHEMA_RULE_FIXES = (
+    (r'char ::= [^"\\] |', r'char ::= [^"\\\x7F\x00-\x1F] |'),
+    (r"dot ::= [^\x0A\x0D]", r'dot ::= [^"\\\x7F\x00-\x1F]'),
+)
+
+
+class ParamError(ConfigError):
+    """A request value out of range; ``param`` names it as OpenAI's error bodies do."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
 @dataclass(frozen=True)
@@ -39,7 +56,9 @@ class SamplingParams:
     reproducible (the same logits give the same draws). ``grammar`` (GBNF text), ``json_schema``
     (a JSON schema, as a dict or JSON text) and ``json_object`` (any JSON object) constrain the
     output; at most one of them. ``logprobs``: report the top-n alternatives of each token (0: the
-    chosen token's own log-probability only; None: nothing).
+    chosen token's own log-probability only; None: nothing). ``logit_bias``: (token id, bias) pairs
+    added to the logits before any other sampler (llama.cpp's logit-bias sampler), as OpenAI's
+    ``logit_bias``; the ids are checked against the vocabulary when the generation starts.
     """
 
     temperature: float = 0.0
@@ -55,12 +74,13 @@ class SamplingParams:
     json_schema: dict[str, Any] | str | None = None
     json_object: bool = False
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         def finite(name: str, lo: float, hi: float) -> None:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
-                raise ConfigError(f"{name} must be a number in [{lo}, {hi}], got {v!r}")
+                raise ParamError(f"{name} must be a number in [{lo}, {hi}], got {v!r}", name)
 
         finite("temperature", 0.0, 100.0)
         finite("top_p", 0.0, 1.0)
@@ -71,25 +91,41 @@ class SamplingParams:
         for name, hi in (("top_k", 1 << 31), ("penalty_last_n", 1 << 20)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= hi:
-                raise ConfigError(f"{name} must be an integer in [0, {hi}], got {v!r}")
+                raise ParamError(f"{name} must be an integer in [0, {hi}], got {v!r}", name)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 0xFFFFFFFF):
-            raise ConfigError(f"seed must be an integer in [0, 2**32 - 2], got {self.seed!r}")
+            raise ParamError(f"seed must be an integer in [0, 2**32 - 2], got {self.seed!r}", "seed")
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ConfigError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+            raise ParamError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+                             "logprobs")
+        self._check_logit_bias()
         if sum(x is not None and x is not False for x in (self.grammar, self.json_schema, self.json_object)) > 1:
-            raise ConfigError("give at most one of grammar, json_schema and json_object")
+            raise ParamError("give at most one of grammar, json_schema and json_object", "grammar")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
-            raise ConfigError("grammar must be non-empty GBNF text")
+            raise ParamError("grammar must be non-empty GBNF text", "grammar")
         if self.json_schema is not None:
             self.gbnf()  # a schema the converter refuses fails here, where it was written
 
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if not isinstance(bias, tuple) or len(bias) > MAX_LOGIT_BIAS:
+            raise ParamError(f"logit_bias must be a tuple of at most {MAX_LOGIT_BIAS} (token id, bias) pairs",
+                             "logit_bias")
+        for pair in bias:
+            ok = isinstance(pair, tuple) and len(pair) == 2
+            token, value = pair if ok else (None, None)
+            if (not ok or isinstance(token, bool) or not isinstance(token, int) or token < 0
+                    or isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or not -100 <= value <= 100):
+                raise ParamError(f"logit_bias entries are a token id >= 0 and a bias in [-100, 100], got {pair!r}",
+                                 "logit_bias")
+
     @property
     def greedy(self) -> bool:
-        """Plain argmax: no temperature, no penalty, no constraint (bmoe's own path)."""
+        """Plain argmax: no temperature, no penalty, no bias, no constraint (bmoe's own path)."""
         return (self.temperature == 0 and self.repeat_penalty == 1 and not self.presence_penalty
-                and not self.frequency_penalty and self.gbnf() is None)
+                and not self.frequency_penalty and not self.logit_bias and self.gbnf() is None)
 
     def gbnf(self) -> str | None:
         """The grammar that constrains the output, in GBNF, or None."""
@@ -108,9 +144,13 @@ class SamplingParams:
             try:
                 text = schema if isinstance(schema, str) else _json.dumps(schema)
                 _json.loads(text)
-                return json_schema_to_gbnf(text)
+                gbnf = json_schema_to_gbnf(text)
             except Exception as exc:  # noqa: BLE001 - the converter raises bare exceptions of many kinds
-                raise ConfigError(f"json_schema cannot be turned into a grammar: {exc}") from None
+                raise ParamError(f"json_schema cannot be turned into a grammar: {exc}", "json_schema") from None
+            for wrong, right in _SCHEMA_RULE_FIXES:
+                gbnf = "\n".join(right + line[len(wrong):] if line.startswith(wrong) else line
+                                 for line in gbnf.splitlines())
+            return gbnf
         return None
 
 
@@ -164,6 +204,13 @@ class Sampler:
                     raise ConfigError("llama.cpp could not parse the grammar (GBNF)")
             self._chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
             add = lambda s: lib.llama_sampler_chain_add(self._chain, s)  # noqa: E731
+            if params.logit_bias:
+                bad = [t for t, _ in params.logit_bias if t >= n_vocab]
+                if bad:
+                    raise ParamError(f"logit_bias: token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})",
+                                     "logit_bias")
+                pairs = (lib.llama_logit_bias * len(params.logit_bias))(*params.logit_bias)
+                add(lib.llama_sampler_init_logit_bias(n_vocab, len(pairs), pairs))
             if params.repeat_penalty != 1 or params.presence_penalty or params.frequency_penalty:
                 add(lib.llama_sampler_init_penalties(
                     n_vocab, params.penalty_last_n, params.repeat_penalty, params.frequency_penalty,

@@ -293,6 +293,11 @@ class Session:
     def n_ctx(self) -> int:
         return self._model.n_ctx
 
+    @property
+    def n_vocab(self) -> int:
+        """Token ids run from 0 to n_vocab - 1 (a prompt of ids is checked against it)."""
+        return self._live().n_vocab
+
     def chat_template(self) -> bytes | None:
         return self._live().chat_template()
 

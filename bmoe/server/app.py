@@ -1,12 +1,20 @@
 """The routes: OpenAI's chat and text completions (JSON or server-sent events), models, health and
 Prometheus metrics, over one Session on the server's own event loop.
 
-A generation request goes: body read within a size limit, validated (400 in OpenAI's error shape),
-admitted to the wait list (503 with Retry-After when full), waits its turn (FIFO), then the engine's
-``bmoe.engine.completions`` answers it. Nothing is sent before the engine has accepted the request,
-so a prompt longer than the context is still a 400 when ``stream`` is true. From admission on, a
-listener watches for the client going away: while the request waits, its wait is cancelled; while
-it generates, the generation is cancelled at its next MoE layer and the next request runs normally.
+A generation request goes: body read within a size limit, validated and prepared by the engine
+(``bmoe.engine.completions.prepare_*``: every value checked, the prompt rendered and tokenized, its
+length checked against the context; 400 in OpenAI's error shape otherwise), admitted to the wait
+list (503 with Retry-After when full), waits its turn (FIFO), then ``run`` answers it. A bad request
+is refused as it arrives, never after waiting behind another generation. Nothing is sent before
+the engine has accepted the request, so a grammar llama.cpp cannot parse is still a 400 when
+``stream`` is true. From admission on, a listener watches for the client going away: while the
+request waits, its wait is cancelled; while it generates, the generation is cancelled at its next
+MoE layer and the next request runs normally.
+
+At shutdown (``_Server.request_shutdown``, called by ``bmoe.server.run``'s signal handling) the
+running generation is cancelled at once and ends like any other (a stream with its last chunk and
+``data: [DONE]``), and requests still waiting get 503: uvicorn's graceful wait then has nothing to
+wait for.
 """
 
 from __future__ import annotations
@@ -15,8 +23,9 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -29,8 +38,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from bmoe.engine.completions import chat_completion, completion
+from bmoe.engine.completions import (
+    ContextOverflow,
+    Prepared,
+    prepare_chat_completion,
+    prepare_completion,
+    run,
+)
 from bmoe.engine.config import RunConfig
+from bmoe.engine.sampling import ParamError
 from bmoe.engine.session import Session
 from bmoe.errors import BmoeError, ConfigError, SessionClosedError
 from bmoe.server.metrics import ServerMetrics
@@ -39,7 +55,10 @@ from bmoe.server.turns import QueueFull, Turns
 
 log = logging.getLogger("bmoe.server")
 MAX_BODY_BYTES = 4 << 20
+MAX_DEPTH = 100  # JSON nesting: deeper than any real request, far below Python's recursion limit
 RETRY_AFTER_S = 2
+CONTEXT_FIX = "start the server with a larger -c/--ctx"
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -53,9 +72,18 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", **kw:
 
 
 class _BadRequest(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    @classmethod
+    def of(cls, exc: ConfigError) -> _BadRequest:
+        """The engine's refusal as a 400: its ``param`` and ``code`` when it names them, and the
+        server's own flag where the engine names the Python API's knob."""
+        message = exc.with_fix(CONTEXT_FIX) if isinstance(exc, ContextOverflow) else str(exc)
+        if isinstance(exc, ParamError):
+            return cls(400, message, exc.param, exc.code)
+        return cls(400, message)
 
 
 async def _read_json(request: Request, limit: int) -> Any:
@@ -68,9 +96,33 @@ async def _read_json(request: Request, limit: int) -> Any:
         if len(body) > limit:
             raise _BadRequest(413, f"the request body is larger than {limit} bytes")
     try:
-        return json.loads(body)
+        value = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise _BadRequest(400, f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise _BadRequest(400, f"the body is not valid JSON: nested deeper than {MAX_DEPTH} levels") from None
+    _check_tree(value)
+    return value
+
+
+def _check_tree(value: Any) -> None:
+    """Refuse what JSON lets through but nothing downstream can use: a lone surrogate
+    (``"\\ud800"``), which no UTF-8 tokenizer or reply can encode, and nesting deep enough to
+    exhaust the recursion of whatever walks the value next (a schema converter, a serializer).
+    Iterative, so the check itself cannot recurse too deep."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                raise _BadRequest(400, "the body holds a lone surrogate (\\ud800-\\udfff): not valid Unicode")
+            continue
+        if not isinstance(item, (list, dict)):
+            continue
+        if depth > MAX_DEPTH:
+            raise _BadRequest(400, f"the body is not valid JSON: nested deeper than {MAX_DEPTH} levels")
+        children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+        stack.extend((x, depth + 1) for x in children if isinstance(x, (str, list, dict)))
 
 
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
@@ -92,28 +144,76 @@ class _Server:
         self.max_body = max_body
         self.model_name = model_name
         self.created = int(time.time())
+        self.stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._owns = session is None
 
     def open(self) -> None:
+        self._loop = asyncio.get_running_loop()
         if self.session is None and self._opener is not None:
             self.session = self._opener()
         if self.model_name is None and self.session is not None:
             self.model_name = self.session.model_name
+
+    def request_shutdown(self) -> None:
+        """Begin the shutdown from anywhere (a signal handler, another thread): it runs on the
+        server's loop, where the requests it ends run."""
+        if self._loop is None or self._loop.is_closed():
+            return
+        self._loop.call_soon_threadsafe(self.begin_shutdown)
+
+    def begin_shutdown(self) -> None:
+        """Refuse new and waiting requests (503) and cancel the running generation now, rather
+        than letting uvicorn's graceful wait run out and cut a stream off mid-way."""
+        self.stopping = True
+        if self.session is not None and not self.session.closed:
+            self.session.cancel()
+
+    def prepare(self, route: str, request: ChatRequest | CompletionRequest) -> Prepared:
+        """The engine's checks and tokenization (on a worker thread: a long prompt does not stall
+        the stream of the generation running meanwhile). Raises _BadRequest."""
+        session = self.session
+        if session is None or session.closed:
+            raise SessionClosedError("the model is not open")
+        kw = {**request.engine_kwargs(), "model": self.model_name}
+        try:
+            if route == "chat":
+                assert isinstance(request, ChatRequest)
+                return prepare_chat_completion(session, request.messages, **kw)
+            assert isinstance(request, CompletionRequest)
+            return prepare_completion(session, request.prompt, **kw)
+        except ConfigError as exc:
+            raise _BadRequest.of(exc) from None
 
     def close(self) -> None:
         if self._owns and self.session is not None:
             self.session.close()
 
 
-class _Generation(Response):
-    """The answer to one completion request, decided only once the engine has accepted it: an error
-    (4xx / 503), a JSON body, or a stream of server-sent events ending ``data: [DONE]``."""
+class _ShuttingDown(Exception):
+    pass
 
-    def __init__(self, server: _Server, run: Callable[[], Awaitable[Any]], stream: bool) -> None:
-        self._server, self._run, self._stream = server, run, stream
+
+_NOT_RUN = object()  # a request that never reached the engine: no generation of its own to record
+
+
+def _shutting_down() -> JSONResponse:
+    return _error(503, "the server is shutting down", "server_error", code="server_shutting_down")
+
+
+class _Generation(Response):
+    """The answer to one prepared completion request: an error (400 for a grammar llama.cpp
+    refuses, 503), a JSON body, or a stream of server-sent events ending ``data: [DONE]``."""
+
+    def __init__(self, server: _Server, prepared: Prepared) -> None:
+        self._server, self._prepared = server, prepared
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         server = self._server
+        if server.stopping:
+            server.metrics.requests.labels("unavailable").inc()
+            await _shutting_down()(scope, receive, send)
+            return
         try:
             server.turns.admit()
         except QueueFull:
@@ -136,13 +236,20 @@ class _Generation(Response):
 
         listener = asyncio.create_task(listen())
         outcome = "ok"
+        stats_before: Any = _NOT_RUN
         try:
             await server.turns.wait_turn()
             state["turn"] = True
-            if server.session is None or server.session.closed:
+            session = server.session
+            if server.stopping:
+                raise _ShuttingDown
+            if session is None or session.closed:
                 raise SessionClosedError("the model is not open")
-            result = await self._run()
-            if not self._stream:
+            stats_before = session.last_stats
+            result = await run(session, self._prepared)
+            if server.stopping:  # the shutdown came while this generation was starting
+                session.cancel()
+            if not self._prepared.stream:
                 await JSONResponse(result)(scope, receive, send)
                 return
             await self._send_events(result, send, state)
@@ -154,7 +261,11 @@ class _Generation(Response):
                 me.uncancel()  # the listener's own cancel, now handled
         except ConfigError as exc:
             outcome = "bad_request"
-            await _error(400, str(exc))(scope, receive, send)
+            bad = _BadRequest.of(exc)
+            await _error(bad.status, bad.message, param=bad.param, code=bad.code)(scope, receive, send)
+        except _ShuttingDown:
+            outcome = "unavailable"
+            await _shutting_down()(scope, receive, send)
         except SessionClosedError as exc:
             outcome = "unavailable"
             await _error(503, str(exc), "server_error")(scope, receive, send)
@@ -167,8 +278,10 @@ class _Generation(Response):
             if state["gone"] and outcome == "ok":
                 outcome = "disconnected"
             server.metrics.requests.labels(outcome).inc()
-            if state["turn"] and server.session is not None:
-                server.metrics.record(server.session.last_stats, server.session.last_usage)
+            session = server.session
+            if stats_before is not _NOT_RUN and session is not None and session.last_stats is not stats_before:
+                # this request's own generation ran (a refusal at the turn leaves the last one's)
+                server.metrics.record(session.last_stats, session.last_usage)
             server.turns.leave(state["turn"])
 
     async def _send_events(self, chunks: AsyncIterator[dict[str, Any]], send: Send, state: dict) -> None:
@@ -213,21 +326,33 @@ def create_app(
             message, param = _validation_message(exc)
             raise _BadRequest(400, message, param) from None
 
+    async def generation(request: Request, route: str, schema: type) -> Response:
+        req = await parse(request, schema)
+        try:
+            prepared = await asyncio.to_thread(server.prepare, route, req)
+        except SessionClosedError as exc:
+            server.metrics.requests.labels("unavailable").inc()
+            return _error(503, str(exc), "server_error")
+        return _Generation(server, prepared)
+
     async def chat(request: Request) -> Response:
-        req = await parse(request, ChatRequest)
-        kw = req.engine_kwargs()
-        return _Generation(server, lambda: chat_completion(
-            server.session, req.messages, stream=req.stream, model=req.model, **kw), req.stream)
+        return await generation(request, "chat", ChatRequest)
 
     async def completions(request: Request) -> Response:
-        req = await parse(request, CompletionRequest)
-        kw = req.engine_kwargs()
-        return _Generation(server, lambda: completion(
-            server.session, req.prompt, stream=req.stream, model=req.model, **kw), req.stream)
+        return await generation(request, "completions", CompletionRequest)
+
+    def model_object() -> dict[str, Any]:
+        return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "bmoe"}
 
     async def models(_: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "bmoe"}]})
+        return JSONResponse({"object": "list", "data": [model_object()]})
+
+    async def one_model(request: Request) -> Response:
+        name = request.path_params["model"]
+        if name != server.model_name:
+            return _error(404, f"the model {name!r} does not exist (this server serves {server.model_name!r})",
+                          param="model", code="model_not_found")
+        return JSONResponse(model_object())
 
     async def health(_: Request) -> Response:
         if server.session is None or server.session.closed:
@@ -250,7 +375,7 @@ def create_app(
     async def bad_request(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, _BadRequest)
         server.metrics.requests.labels("bad_request").inc()  # refused before it reached the queue
-        return _error(exc.status, exc.message, param=exc.param)
+        return _error(exc.status, exc.message, param=exc.param, code=exc.code)
 
     async def http_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -265,6 +390,7 @@ def create_app(
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{model:path}", one_model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
         ],
@@ -278,13 +404,14 @@ def create_app(
 
 
 def _with_api_key(app: Starlette, key: str) -> Any:
-    """Every route but /health requires ``Authorization: Bearer <key>`` (401 otherwise)."""
-    expected = f"Bearer {key}".encode()
+    """Every route but /health requires ``Authorization: Bearer <key>`` (401 otherwise); the
+    scheme's name is case-insensitive (RFC 9110), the key is not."""
+    expected = key.encode()
 
     async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope.get("path") != "/health":
-            given = dict(scope.get("headers") or ()).get(b"authorization", b"")
-            if not hmac.compare_digest(given, expected):
+            scheme, _, given = dict(scope.get("headers") or ()).get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(b" "), expected):
                 await _error(401, "a valid API key is required (Authorization: Bearer KEY)",
                              code="invalid_api_key")(scope, receive, send)
                 return

@@ -10,6 +10,9 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
+
+import uvicorn
 
 from bmoe.engine.config import RunConfig
 from bmoe.engine.session import Session
@@ -39,38 +42,49 @@ def bind(host: str, port: int) -> socket.socket:
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
+class Server(uvicorn.Server):
+    """uvicorn that ends the app's work at once on a stop signal and leaves the exit to the caller.
+
+    ``handle_exit`` first tells the app (``app.state.bmoe``) to shut down: the running generation
+    is cancelled and ends normally (a stream with its last chunk and ``data: [DONE]``) and waiting
+    requests get 503, where uvicorn alone waited out its graceful timeout and then cut the stream
+    off and cancelled the tasks. It also stops gracefully on SIGHUP; its own signal capture
+    re-raised SIGTERM at once after the shutdown, which killed the process before the session was
+    closed (a route trace was left empty)."""
+
+    stopped_by: int | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        state = getattr(self.config.app, "state", None)
+        app_server = getattr(state, "bmoe", None)
+        if app_server is not None:
+            app_server.request_shutdown()
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            if self.stopped_by is None:
+                self.stopped_by = signum
+            self.handle_exit(signum, frame)  # a second SIGINT forces the exit
+
+        originals = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)
+
+
 def serve(model: str | Path, config: RunConfig, *, host: str = "127.0.0.1", port: int = 8080,
           api_key: str | None = None, max_waiting: int = 8, max_body: int | None = None,
           quiet: bool = False) -> int | None:
     """Serve until a stop signal; returns that signal's number (None if the server ended by
     itself), after the session is closed and its sinks (a route trace) are written out."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        """uvicorn that also stops gracefully on SIGHUP and leaves the exit to the caller: its own
-        signal capture re-raised SIGTERM at once after the shutdown, which killed the process
-        before the session was closed (a route trace was left empty)."""
-
-        stopped_by: int | None = None
-
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-
-            def on_signal(signum: int, frame: object) -> None:
-                if self.stopped_by is None:
-                    self.stopped_by = signum
-                self.handle_exit(signum, frame)  # a second SIGINT forces the exit
-
-            originals = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
-            try:
-                yield
-            finally:
-                for sig, handler in originals.items():
-                    signal.signal(sig, handler)
-
     sock = bind(host, port)
     bound = sock.getsockname()[1]
     try:

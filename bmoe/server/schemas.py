@@ -1,9 +1,11 @@
 """Request bodies of the OpenAI routes, validated by pydantic (strict types: ``"5"`` is not a number).
 
 Unknown fields are ignored, as OpenAI clients send many (``user``, ``stream_options``...); a known
-field of the wrong type is a 400. Semantic checks (max_tokens > 0, messages well formed, a prompt
-that fits the context, n == 1) are the engine's (``bmoe.engine.completions``), so the Python API
-and the server refuse the same things the same way.
+field of the wrong type is a 400, and null is the field's default wherever OpenAI allows null. The
+fields bmoe cannot honour (``tools``, ``echo``, ``suffix``, ``best_of`` > 1...) are declared here so
+that the engine refuses them by name instead of their being dropped unseen. Semantic checks
+(max_tokens > 0, messages well formed, a prompt that fits the context, n == 1) are the engine's
+(``bmoe.engine.completions.prepare_*``), so the Python API and the server refuse the same things.
 """
 
 from __future__ import annotations
@@ -27,23 +29,32 @@ class _Sampling(BaseModel):
     frequency_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
-    n: int = 1
+    stream: bool | None = None
+    n: int | None = None
     grammar: str | None = None
     response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, Any] | None = None
+
+    @property
+    def streaming(self) -> bool:
+        return bool(self.stream)
 
     def engine_kwargs(self) -> dict[str, Any]:
-        """Arguments for ``bmoe.engine.completions`` (None left out: the engine's default)."""
-        skip = {"stream", "model"}
-        return {k: v for k, v in self.model_dump().items() if k not in skip and v is not None}
+        """Arguments for ``bmoe.engine.completions.prepare_*`` (None left out: the engine's
+        default). ``model`` is the server's to fill: a reply names the model it came from."""
+        return {k: v for k, v in self.model_dump().items() if k != "model" and v is not None}
 
 
 class ChatRequest(_Sampling):
     messages: list[Any]
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
 
     def engine_kwargs(self) -> dict[str, Any]:
         kw = super().engine_kwargs()
@@ -55,8 +66,11 @@ class ChatRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str]
     logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
 
     def engine_kwargs(self) -> dict[str, Any]:
         kw = super().engine_kwargs()
