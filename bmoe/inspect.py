@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -33,7 +34,6 @@ from pathlib import Path
 
 from gguf import GGMLQuantizationType
 
-from bmoe.cli.flags import _io_threads, _number
 from bmoe.engine.loader import choose_open_mode
 from bmoe.io.layout import ModelLayout, block_of
 from bmoe.io.probe import ProbeResult, cache_dir, cached_probe
@@ -269,13 +269,11 @@ def render(r: Report) -> str:
 def add_inspect_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("inspect", help="what a model is and how it would run here (index only)")
     p.add_argument("model", type=Path)
-    p.add_argument("--ram", type=_number(float, 0.01, 1 << 20, "a number of GB"), default=None, metavar="GB",
-                   help="RAM to plan for (default: MemAvailable)")
+    p.add_argument("--ram", type=float, default=None, metavar="GB", help="RAM to plan for (default: MemAvailable)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--probe", action="store_true", help="measure the device's read rate (cached) if unknown")
-    p.add_argument("--io-threads", type=_io_threads, default=DEFAULT_LANES, help="read lanes the forecast assumes")
-    p.add_argument("--compute-gbs", type=_number(float, 1e-3, 1e6, "a rate in GB/s"), default=None,
-                   help="measured compute rate (GB/s of weights)")
+    p.add_argument("--io-threads", type=int, default=DEFAULT_LANES, help="read lanes the forecast assumes")
+    p.add_argument("--compute-gbs", type=float, default=None, help="measured compute rate (GB/s of weights)")
     p.set_defaults(func=_cmd_inspect)
     return p
 
@@ -283,10 +281,12 @@ def add_inspect_command(subparsers: argparse._SubParsersAction) -> argparse.Argu
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from bmoe.errors import ConfigError
 
-    if args.ram is not None and not args.ram > 0:
-        raise ConfigError(f"--ram must be positive, got {args.ram}")
-    if args.compute_gbs is not None and not args.compute_gbs > 0:
-        raise ConfigError(f"--compute-gbs must be positive, got {args.compute_gbs}")
+    if args.ram is not None and not 0 < args.ram < math.inf:
+        raise ConfigError(f"--ram must be a positive number of GB, got {args.ram}")
+    if args.compute_gbs is not None and not 0 < args.compute_gbs < math.inf:
+        raise ConfigError(f"--compute-gbs must be a positive rate, got {args.compute_gbs}")
+    if not 1 <= args.io_threads <= 64:
+        raise ConfigError(f"--io-threads must be 1..64 read lanes, got {args.io_threads}")
     ram = None if args.ram is None else int(args.ram * GiB)
     report = inspect_model(args.model, ram_bytes=ram, probe=args.probe, lanes=args.io_threads,
                            compute_gbs=args.compute_gbs)

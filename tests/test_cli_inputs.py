@@ -117,9 +117,10 @@ def test_stop_takes_the_escapes_of_llama_cpps_command_line() -> None:
     assert _escaped(r"\x plain") == r"\x plain"  # an unknown escape is left as typed
 
 
-@pytest.mark.parametrize("flags", [("--io-threads", "0"), ("--io-threads", "-3"), ("--ram", "-1")])
-def test_inspect_numbers_are_refused_at_parse_time(tiny, flags: tuple[str, str]) -> None:
-    line = one_line(bmoe("inspect", str(tiny.path(TinySpec())), *flags), 2)
+@pytest.mark.parametrize("flags", [("--io-threads", "0"), ("--io-threads", "-3"), ("--ram", "-1"), ("--ram", "inf"),
+                                   ("--compute-gbs", "nan")])
+def test_inspect_numbers_out_of_range_are_one_line(tiny, flags: tuple[str, str]) -> None:
+    line = one_line(bmoe("inspect", str(tiny.path(TinySpec())), *flags), 1)
     assert flags[0] in line
 
 
