@@ -167,3 +167,10 @@ def test_a_dense_model_is_told_apart_from_a_broken_moe(tmp_path: Path) -> None:
     w.close()
     line = one_line(bmoe("run", "-m", str(path), "-p", "hi"), 1)
     assert "not a Mixture-of-Experts" in line
+
+
+def test_a_grammar_llama_cpp_cannot_parse_is_one_line_with_its_reason(tiny, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gbnf"
+    bad.write_text("root ::= ((")
+    line = one_line(bmoe("run", "-m", str(tiny.path(TinySpec())), "-p", "hi", "--grammar-file", str(bad)), 1)
+    assert "could not parse the grammar" in line and "expecting ')'" in line

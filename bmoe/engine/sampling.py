@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from bmoe.engine.seam import llama_lib
+from bmoe.engine.seam import llama_lib, stderr_kept
 from bmoe.errors import ConfigError
 
 # JSON mode: any JSON value whose top level is an object (llama.cpp's json.gbnf, object root).
@@ -199,9 +199,11 @@ class Sampler:
         gbnf = params.gbnf()
         try:
             if gbnf is not None:
-                self._grammar = lib.llama_sampler_init_grammar(vocab, gbnf.encode(), b"root")
+                with stderr_kept(lambda: not self._grammar) as said:
+                    self._grammar = lib.llama_sampler_init_grammar(vocab, gbnf.encode(), b"root")
                 if not self._grammar:
-                    raise ConfigError("llama.cpp could not parse the grammar (GBNF)")
+                    why = said[0].removeprefix("parse: ") if said else ""
+                    raise ConfigError("llama.cpp could not parse the grammar (GBNF)" + (f": {why}" if why else ""))
             self._chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
             add = lambda s: lib.llama_sampler_chain_add(self._chain, s)  # noqa: E731
             if params.logit_bias:

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
+import tempfile
 from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import cache
 from typing import Any, Protocol
 
@@ -89,6 +93,32 @@ def last_llama_error() -> str:
         (line for line in _LLAMA_ERRORS if "error loading model:" in line or "gguf_init" in line),
         _LLAMA_ERRORS[-1] if _LLAMA_ERRORS else "",
     )
+
+
+@contextmanager
+def stderr_kept(failed: Callable[[], bool]) -> Iterator[list[str]]:
+    """Around a native call that prints to stderr itself (``fprintf``, not the log callback): what
+    it printed is held back, and given back to stderr unless ``failed()`` says the call failed, when
+    the lines go to the caller's one-line error instead (llama.cpp's GBNF parser reports a bad
+    grammar as five lines with the grammar quoted). ``-v`` lets everything through as it comes."""
+    lines: list[str] = []
+    if _LOG["all"]:
+        yield lines
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield lines
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            text = held.read()
+            if text and not failed():
+                os.write(2, text)
+            lines.extend(line.strip() for line in text.decode(errors="replace").splitlines() if line.strip())
 
 
 _quiet_log = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(_filtered_log)
