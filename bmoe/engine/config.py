@@ -9,8 +9,9 @@ check and the annotation cannot drift apart.
 from __future__ import annotations
 
 import math
+import numbers
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Literal, get_args
 
 from bmoe.errors import ConfigError
@@ -25,6 +26,13 @@ OPEN_MODES: tuple[str, ...] = get_args(OpenMode)
 DENSE_POLICIES: tuple[str, ...] = get_args(DensePolicy)
 PREFILLS: tuple[str, ...] = get_args(Prefill)
 MiB = 1 << 20
+# Field annotation (a string: annotations are postponed) -> the type its value must have.
+_KINDS: dict[str, type] = {
+    "bool": bool, "bool | None": bool, "int": int, "int | None": int, "float | None": float,
+    "str": str, "str | None": str,
+}
+_KIND_NAMES = {bool: "True or False", int: "an integer", float: "a number", str: "a string"}
+_PATH_FIELDS = ("route_trace", "cache_profile")
 
 
 @dataclass(frozen=True)
@@ -96,6 +104,7 @@ class RunConfig:
     route_ahead: int | None = None
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.mode not in MODES:
             raise ConfigError(f"mode must be 'stream' or 'resident', got {self.mode!r}")
         if self.cache_policy not in POLICIES or getattr(POLICIES[self.cache_policy], "offline", False):
@@ -149,6 +158,33 @@ class RunConfig:
         if self.eval_filter and self.mode != "resident":
             raise ConfigError("eval_filter measures the callback alone and needs mode='resident'")
         self._check_lossy()
+
+    def _check_types(self) -> None:
+        """Each field holds its annotated type: ``odirect="no"`` would otherwise be true, and a
+        float where a count belongs would fail much later, inside a stage. Choice fields are
+        checked by value below; paths may be ``os.PathLike`` (kept as ``str``)."""
+        for f in fields(self):
+            kind = _KINDS.get(f.type)
+            if kind is None:
+                continue
+            value = getattr(self, f.name)
+            if value is None and f.type.endswith("| None"):
+                continue
+            if kind is str and isinstance(value, os.PathLike) and f.name in _PATH_FIELDS:
+                object.__setattr__(self, f.name, os.fspath(value))
+                continue
+            if kind is bool:
+                ok = isinstance(value, bool)
+            elif kind is int:
+                ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+                if ok:
+                    object.__setattr__(self, f.name, int(value))
+            elif kind is float:
+                ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+            else:
+                ok = isinstance(value, kind)
+            if not ok:
+                raise ConfigError(f"{f.name} must be {_KIND_NAMES[kind]}, got {value!r}")
 
     def _check_lossy(self) -> None:
         if self.n_expert_used is not None and self.n_expert_used < 1:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import codecs
 import re
+import sys
 import time
+import warnings
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -142,6 +144,7 @@ class Session:
         gate = callback.gate
         self._compute = ComputeStage(model.decode, gate.arm, gate.disarm, gate.abort, compute_thread())
         self._lock: asyncio.Lock | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.open_mode = opened.open_mode
         self.open_reason = opened.open_reason
         self.open_bytes_read = opened.open_bytes_read
@@ -158,6 +161,8 @@ class Session:
     @classmethod
     def open(cls, path: str | Path, config: RunConfig | None = None, *, hooks: Hooks | None = None) -> Session:
         """Validate the file, open it the cheapest way that works, and get streaming ready."""
+        if config is not None and not isinstance(config, RunConfig):
+            raise ConfigError(f"config must be a RunConfig (RunConfig(**options) for a dict), got {type(config).__name__}")
         config = (config or RunConfig()).validate()
         io_before = read_io_bytes()
         layout = open_layout(path)
@@ -262,14 +267,18 @@ class Session:
         return self._closed
 
     def tokenize(self, text: str, *, special: bool = False) -> list[int]:
-        return self._live().tokenize(text, parse_special=special)
+        model = self._live()
+        return _tokenize(model, _check_text(text, "text"), _check_flag(special, "special"))
 
     def detokenize(self, tokens: Sequence[int]) -> str:
-        return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
+        model = self._live()
+        ids = _check_ids(tokens, model.n_vocab, "tokens")
+        return b"".join(model.piece(t) for t in ids).decode("utf-8", errors="replace")
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes a token stands for (a piece of a UTF-8 character, for byte tokens)."""
-        return self._live().piece(token)
+        model = self._live()
+        return model.piece(_check_ids([token], model.n_vocab, "token")[0])
 
     @property
     def model_name(self) -> str:
@@ -337,15 +346,19 @@ class Session:
         graph node with ``finish_reason == "cancelled"``.
         """
         self._live()
+        self._check_loop()
         sampling = GREEDY if sampling is None else sampling
         if not isinstance(sampling, SamplingParams):
             raise ConfigError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         stops = StopStrings(stop)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ConfigError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        tokens = self._prompt_tokens(prompt, special)
-        if forced is not None and len(forced) < max_tokens:
-            raise ConfigError(f"forced holds {len(forced)} tokens, fewer than max_tokens ({max_tokens})")
+        _check_flag(stop_at_end, "stop_at_end")
+        tokens = self._prompt_tokens(prompt, _check_flag(special, "special"))
+        if forced is not None:
+            forced = _check_ids(forced, self._model.n_vocab, "forced")
+            if len(forced) < max_tokens:
+                raise ConfigError(f"forced holds {len(forced)} tokens, fewer than max_tokens ({max_tokens})")
         if len(tokens) + max_tokens > self._model.n_ctx:
             raise ConfigError(
                 f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceed the context "
@@ -460,6 +473,17 @@ class Session:
     def _stopping(self) -> bool:
         return self._cancel_requested or self._closed
 
+    def _check_loop(self) -> None:
+        """A session's generations run on one event loop (its lock and the pipeline's futures live
+        there). Once that loop has closed (``asyncio.run`` called again), a new one takes over."""
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
+            return
+        if self._loop is not None and not self._loop.is_closed():
+            raise BmoeError("this session belongs to the event loop that first ran it, which is still open: "
+                            "use it from that loop (or from SyncSession in threads), or close that loop first")
+        self._loop, self._lock = loop, None
+
     def _live(self) -> LlamaModel:
         """The model, or SessionClosedError before any native call on a closed session."""
         if self._closed:
@@ -468,14 +492,13 @@ class Session:
 
     def _prompt_tokens(self, prompt: str | Sequence[int], special: bool) -> list[int]:
         if isinstance(prompt, str):
-            tokens = self._model.tokenize(prompt, parse_special=special)
-        elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            tokens = list(prompt)
-            bad = [t for t in tokens if not 0 <= t < self._model.n_vocab]
-            if bad:
-                raise ConfigError(f"token id {bad[0]} is outside the vocabulary (0..{self._model.n_vocab - 1})")
+            tokens = _tokenize(self._model, prompt, special, "the prompt")
+        elif isinstance(prompt, (bytes, bytearray, memoryview)):
+            raise ConfigError("a prompt is text or a list of token ids, not bytes: decode the bytes to text first")
+        elif isinstance(prompt, Sequence):
+            tokens = _check_ids(prompt, self._model.n_vocab, "a prompt of token ids")
         else:
-            raise ConfigError("a prompt is text or a list of token ids")
+            raise ConfigError(f"a prompt is text or a list of token ids, got {type(prompt).__name__}")
         if not tokens:
             raise ConfigError("the prompt tokenizes to nothing")
         return tokens
@@ -617,7 +640,9 @@ class Session:
             raise BmoeError("cannot change the cache budget while generating")
         if self._streaming is None:
             raise ConfigError("a resident session has no expert cache")
-        self._streaming.set_budget(budget_bytes)
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, np.integer)) or budget_bytes < 0:
+            raise ConfigError(f"the cache budget is a whole number of bytes >= 0 (0: off), got {budget_bytes!r}")
+        self._streaming.set_budget(int(budget_bytes))
 
     @property
     def pressure_guard(self) -> PressureGuard | None:
@@ -661,6 +686,18 @@ class Session:
             self._blas_held = False
             release_blas_threads()
 
+    def __del__(self) -> None:
+        """A session dropped unclosed: warn as an unclosed file does, and free its threads,
+        regions and model (nothing can be generating: a generation holds a reference)."""
+        if getattr(self, "_closed", True) or sys.is_finalizing():
+            return
+        warnings.warn(f"unclosed bmoe Session of {self.model_name}: close() it or use 'with'", ResourceWarning,
+                      source=self, stacklevel=2)
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - a finalizer must not raise; the process is no worse off
+            pass
+
     async def __aenter__(self) -> Session:
         return self
 
@@ -672,6 +709,40 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_text(text: object, what: str) -> str:
+    if not isinstance(text, str):
+        raise ConfigError(f"{what} must be a str, got {type(text).__name__}")
+    return text
+
+
+def _check_flag(value: object, what: str) -> bool:
+    """A bool, not something truthy: ``special="no"`` would otherwise mean yes."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{what} must be True or False, got {value!r}")
+    return value
+
+
+def _check_ids(tokens: object, n_vocab: int, what: str) -> list[int]:
+    """Token ids as llama.cpp may take them: one outside the vocabulary aborts the process there."""
+    if isinstance(tokens, (str, bytes, bytearray, memoryview)) or not isinstance(tokens, Sequence):
+        raise ConfigError(f"{what} must be a list of token ids, got {type(tokens).__name__}")
+    ids = list(tokens)
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise ConfigError(f"{what}: a token id is an integer, got {t!r}")
+        if not 0 <= t < n_vocab:
+            raise ConfigError(f"{what}: token id {t} is outside the vocabulary (0..{n_vocab - 1})")
+    return [int(t) for t in ids]
+
+
+def _tokenize(model: LlamaModel, text: str, special: bool, what: str = "the text") -> list[int]:
+    try:
+        return model.tokenize(text, parse_special=special)
+    except UnicodeEncodeError as e:
+        raise ConfigError(f"{what} holds a lone surrogate ({text[e.start]!r} at character {e.start}), "
+                          "which is not text UTF-8 can encode") from None
 
 
 def _plan_overlap(

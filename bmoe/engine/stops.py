@@ -21,6 +21,8 @@ class StopStrings:
             stops = ()
         elif isinstance(stops, str):
             stops = (stops,)
+        elif not isinstance(stops, (list, tuple)):
+            raise ConfigError(f"stop must be a string or a list of strings, got {type(stops).__name__}")
         if len(stops) > MAX_STOPS:
             raise ConfigError(f"at most {MAX_STOPS} stop strings, got {len(stops)}")
         for s in stops:
