@@ -13,7 +13,10 @@ their turn.
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
+import warnings
+import weakref
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,13 +43,42 @@ async def _next(agen: AsyncIterator[Any]) -> Any:
     return await agen.__anext__()
 
 
+_unclosed: weakref.WeakSet[SyncSession] = weakref.WeakSet()
+_exit_hook = threading.Lock()
+_exit_hooked = False
+
+
+def _close_at_exit() -> None:
+    """The portal's loop runs in a non-daemon pool thread that the interpreter joins at exit: a
+    SyncSession never closed would hang the exit there. Close what is left first."""
+    for s in list(_unclosed):
+        try:
+            s.close()
+        except Exception:  # noqa: BLE001 - exiting: nothing to report to
+            pass
+
+
+def _hook_exit() -> None:
+    """Run ``_close_at_exit`` before threads are joined: the hook concurrent.futures itself uses
+    (private, so guarded); registered after it, so it runs first (they run in reverse order)."""
+    global _exit_hooked
+    with _exit_hook:
+        if not _exit_hooked:
+            register = getattr(threading, "_register_atexit", None)
+            if register is not None:
+                register(_close_at_exit)
+            _exit_hooked = True
+
+
 class SyncSession:
     def __init__(self, session: Session) -> None:
         self.session = session
+        _hook_exit()
         self._portal_cm = start_blocking_portal("asyncio", loop_backend_options())
         self._portal = self._portal_cm.__enter__()
         self._open_iter: Iterator[Any] | None = None
         self._guard = threading.Lock()
+        _unclosed.add(self)
 
     @classmethod
     def open(cls, path: str | Path, config: RunConfig | None = None, *, hooks: Hooks | None = None) -> SyncSession:
@@ -144,9 +176,19 @@ class SyncSession:
         portal. Safe to call twice."""
         if self._portal_cm is None:
             return
+        _unclosed.discard(self)
         self._portal.call(lambda: _call_async(self.session.close))
         cm, self._portal_cm = self._portal_cm, None
         cm.__exit__(None, None, None)
+
+    def __del__(self) -> None:
+        if getattr(self, "_portal_cm", None) is None or sys.is_finalizing():
+            return
+        warnings.warn("unclosed bmoe SyncSession: close() it or use 'with'", ResourceWarning, source=self, stacklevel=2)
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - a finalizer must not raise
+            pass
 
     def __enter__(self) -> SyncSession:
         return self
