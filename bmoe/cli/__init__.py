@@ -2,151 +2,44 @@
 the heavy ones (bench, synth, inspect, quality) whose parsers load only when the command line names
 them (``_LAZY``), so ``bmoe --help`` and ``bmoe run`` import no bench harness or gguf writer.
 
-Every bmoe error ends as one line on stderr and exit status 1; no traceback reaches a user for a
-bad file or flag. Text goes to stdout as it is generated; summaries go to stderr (or, with
+Every bmoe error ends as one line on stderr and exit status 1 (2 for a bad command line, as
+argparse's own); no traceback reaches a user for a bad file or flag. Text goes to stdout as it is generated; summaries go to stderr (or, with
 ``--json``, one JSON object to stdout instead of both).
+
+This module stays this small on purpose: the ``bmoe`` script and ``python -m bmoe`` import it before
+anything else, so a Ctrl-C while the rest loads (``bmoe.cli.app`` and all it imports) lands inside
+``main``'s guard and ends as status 130 with one line, never a KeyboardInterrupt traceback.
 """
 
 from __future__ import annotations
 
-import argparse
-import errno
-import importlib
-import os
-import signal
 import sys
 
-from bmoe.cli.chat import _chat_parser
-from bmoe.cli.demo import _demo_parser, _tiny_parser
-from bmoe.cli.edge import Interrupted, _os_error_line, _quiet_stdout, _standard_streams
-from bmoe.cli.flags import _verbosity_flags
-from bmoe.cli.replay import _replay_parser
-from bmoe.cli.run import _run_parser
-from bmoe.errors import BmoeError, first_error
-
-# Subcommands whose modules are heavy to import (numpy, gguf writers, the bench harness): their full
-# parser is registered only when the command line names them; otherwise a one-line entry keeps
-# them listed in ``bmoe --help``.
-_LAZY = {
-    "bench": ("bmoe.bench.harness", "add_bench_command",
-              "measure resident, mmap and streamed runs of one model side by side"),
-    "synth": ("bmoe.synth.big", "add_synth_command",
-              "write a random MoE GGUF with a real model's shapes (fast, any size)"),
-    "inspect": ("bmoe.inspect", "add_inspect_command",
-                "what a model is and how it would run here, from its index alone"),
-    "quality": ("bmoe.quality", "add_quality_command",
-                "measure a lossy lever: agreement and KL vs the exact run, tok/s of both"),
-    # The parser is light and lives in bmoe.cli.serve (it shares the run flags); starlette, uvicorn
-    # and the server package are imported by _cmd_serve only.
-    "serve": ("bmoe.cli.serve", "_serve_parser", "an OpenAI-compatible HTTP server (chat and text completions)"),
-}
-
-
-class _ListArchs(argparse.Action):
-    """``--list-archs``: print the supported architectures and exit, whatever else is given."""
-
-    def __init__(self, option_strings: list[str], dest: str, **kw: object) -> None:
-        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
-                         help="print the supported architectures and exit")
-
-    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
-        from bmoe.inspect import list_archs
-
-        print(list_archs())
-        parser.exit()
-
-
-def _lazy_parsers(sub: argparse._SubParsersAction, argv: list[str]) -> None:
-    chosen = next((a for a in argv if not a.startswith("-")), None)
-    for name, (module, register, help_) in _LAZY.items():
-        if name == chosen:
-            getattr(importlib.import_module(module), register)(sub)
-        else:
-            sub.add_parser(name, help=help_, add_help=False)
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse with its usage errors as one line (status 2, argparse's own convention)."""
-
-    def error(self, message: str):  # noqa: ANN201 - NoReturn
-        self.exit(2, f"bmoe: error: {self.prog}: {message}\n")
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    from bmoe._version import __version__
-
-    try:
-        pin = version("llama-cpp-python")
-    except PackageNotFoundError:
-        pin = "not installed"
-    return f"bmoe {__version__} (llama-cpp-python {pin})"
-
-
-def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = _Parser(prog="bmoe", description="Run Mixture-of-Experts GGUF models bigger than RAM: the "
-                     "dense part in memory, each token's experts read from disk.")
-    parser.add_argument("--list-archs", action=_ListArchs)
-    parser.add_argument("--version", action="version", version=_version())
-    _verbosity_flags(parser, top=True)
-    sub = parser.add_subparsers(dest="command", required=True)
-    _run_parser(sub)
-    _chat_parser(sub)
-    _replay_parser(sub)
-    _demo_parser(sub)
-    _lazy_parsers(sub, argv)
-    _tiny_parser(sub)
-    return parser
-
-
-def _apply_verbosity(args: argparse.Namespace) -> None:
-    """llama.cpp's log reaches stderr only with -v (bmoe reports failures itself, in one line)."""
-    if getattr(args, "verbose", False):
-        from bmoe.engine.seam import set_llama_log
-
-        set_llama_log(True)
+_INTERRUPTED = 130  # 128 + SIGINT, as the shell reports a process a Ctrl-C ended
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    _standard_streams()
+    """Run the command line; its exit status."""
     try:
-        args = build_parser(argv).parse_args(argv)
-        _apply_verbosity(args)
-        status = args.func(args)
-        sys.stdout.flush()  # here, where a full disk or a closed pipe can still be reported
-        return status
-    except BaseExceptionGroup as group:  # the CLI's own task groups (sinks beside a generation)
-        exc = first_error(group)
-        if isinstance(exc, Exception):
-            return _fail(exc)
-        raise
-    except Exception as exc:  # noqa: BLE001 - the last line of defence: one line, never a traceback
-        return _fail(exc)
-    except KeyboardInterrupt:
-        print("bmoe: interrupted", file=sys.stderr)
-        return 128 + signal.SIGINT
+        from bmoe.cli.app import main as run
+
+        return run(argv)
+    except KeyboardInterrupt:  # before app.main's own guard is in place (imports), or after it
+        try:
+            print("bmoe: interrupted", file=sys.stderr)
+        except (OSError, ValueError):
+            pass
+        return _INTERRUPTED
 
 
-def _fail(exc: Exception) -> int:
-    if isinstance(exc, Interrupted):
-        print(f"bmoe: interrupted by {exc}; the output written so far is complete", file=sys.stderr)
-        return 128 + exc.signum
-    if isinstance(exc, BrokenPipeError) or (isinstance(exc, OSError) and exc.errno == errno.EPIPE):
-        _quiet_stdout()  # a reader that went away (| head): quiet, with the status of SIGPIPE
-        return 128 + signal.SIGPIPE
-    if isinstance(exc, BmoeError):
-        line = str(exc)
-    elif isinstance(exc, OSError):
-        line = _os_error_line(exc)
-        if exc.filename is None:
-            _quiet_stdout()
-    elif isinstance(exc, MemoryError):
-        line = "out of memory"
-    else:
-        if os.environ.get("BMOE_DEBUG"):
-            raise exc
-        line = f"internal error: {type(exc).__name__}: {exc} (BMOE_DEBUG=1 shows where; please report it)"
-    print(f"bmoe: error: {line}", file=sys.stderr)
-    return 1
+def __getattr__(name: str) -> object:
+    """``build_parser`` and the rest of ``bmoe.cli.app``, importable from here as they always were."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    from importlib import import_module
+
+    app = import_module("bmoe.cli.app")
+    try:
+        return getattr(app, name)
+    except AttributeError:
+        raise AttributeError(f"module 'bmoe.cli' has no attribute {name!r}") from None

@@ -13,7 +13,13 @@ import sys
 
 from bmoe.cli.chat import _chat_parser
 from bmoe.cli.demo import _demo_parser, _tiny_parser
-from bmoe.cli.edge import Interrupted, UsageError, _os_error_line, _quiet_stdout, _standard_streams
+from bmoe.cli.edge import (
+    Interrupted,
+    UsageError,
+    _os_error_line,
+    _quiet_stdout,
+    _standard_streams,
+)
 from bmoe.cli.flags import _verbosity_flags
 from bmoe.cli.replay import _replay_parser
 from bmoe.cli.run import _run_parser

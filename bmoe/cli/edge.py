@@ -10,6 +10,7 @@ import signal
 import sys
 
 from bmoe.engine.aio import run as run_async
+from bmoe.errors import ConfigError
 
 
 class Interrupted(Exception):
@@ -18,6 +19,11 @@ class Interrupted(Exception):
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+
+
+class UsageError(ConfigError):
+    """A command line that cannot run as given, found only once a command has read its inputs (an
+    empty prompt file): one line and status 2, as argparse's own usage errors."""
 
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

