@@ -90,3 +90,30 @@ def test_quiet_and_verbose_together_are_refused(tiny, flags: tuple[str, str, str
     top, command, sub = flags
     line = one_line(bmoe(top, command, sub, "-m", str(tiny.path(TinySpec())), "-p", "hi", "-n", "2"), 2)
     assert "-q/--quiet" in line and "-v/--verbose" in line
+
+
+# --- demo ----------------------------------------------------------------------------------------
+
+def test_demo_dir_that_is_a_file_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("not a folder")
+    line = one_line(bmoe("demo", "--dir", str(tmp_path / "afile")), 1)
+    assert f"--dir {tmp_path / 'afile'} is a file, not a folder" in line
+    assert "--dir" in one_line(bmoe("demo", "--dir", str(tmp_path / "afile" / "sub")), 1)
+    assert (tmp_path / "afile").read_text() == "not a folder"
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, OSError(28, "No space left on device")])
+def test_an_interrupted_or_failed_demo_leaves_no_partial_model(tmp_path: Path, monkeypatch, capsys,
+                                                                 stop: BaseException) -> None:
+    import bmoe.synth.tiny
+    from bmoe.cli import main
+
+    def half_written(path: Path, spec: object, progress: object = None) -> list[Path]:
+        Path(path).write_bytes(b"GGUF" + bytes(1000))  # the first bytes are out when the stop comes
+        raise stop
+
+    monkeypatch.setattr(bmoe.synth.tiny, "write_tiny", half_written)
+    status = main(["demo", "--dir", str(tmp_path), "-n", "2"])
+    assert status == (130 if stop is KeyboardInterrupt else 1)
+    assert list(tmp_path.iterdir()) == [], "a half-written demo model was left behind"
+    assert "Traceback" not in capsys.readouterr().err

@@ -11,6 +11,7 @@ from bmoe.cli.edge import _run
 from bmoe.cli.flags import _number, _tokens
 from bmoe.cli.generate import _generate, _summary
 from bmoe.engine.config import MiB, RunConfig
+from bmoe.errors import OutputPathError
 
 DEMO_PROMPT = "The quick brown fox jumps over the lazy dog. Streaming experts from disk:"
 
@@ -28,15 +29,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     # About 400 MB; this seed's greedy text is varied (a check a random model needs).
     spec = TinySpec(arch="qwen3moe", wtype="f16", n_layer=4, n_embd=1024, n_expert=32,
                     n_expert_used=4, n_ff=512, seed=0)
-    folder = _demo_dir(args.dir)
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = _demo_folder(args.dir)
     model = folder / (f"demo-{spec.arch}-{spec.wtype}-l{spec.n_layer}-e{spec.n_embd}"
                       f"-x{spec.n_expert}-k{spec.n_expert_used}-f{spec.n_ff}-s{spec.seed}.gguf")
     if not model.exists():
         print(f"making the demo model once: {model}", file=sys.stderr)
         tmp = model.with_suffix(".partial.gguf")
-        _write_with_progress(tmp, spec)
-        tmp.replace(model)
+        try:
+            _write_with_progress(tmp, spec)
+            tmp.replace(model)
+        except BaseException:  # a signal, a full disk: no half-written model is left behind
+            tmp.unlink(missing_ok=True)
+            raise
     print(f"demo model: {model} ({model.stat().st_size / MiB:.0f} MiB). Its weights are random, "
           "so the text is gibberish: what matters is that both runs print the same bytes.\n")
     results = {}
@@ -59,6 +63,19 @@ def _demo_dir(arg: Path | None) -> Path:
     from bmoe.io.probe import cache_dir
 
     return arg if arg is not None else cache_dir()
+
+
+def _demo_folder(arg: Path | None) -> Path:
+    """The demo's folder, made if missing; a file (or anything not a folder) there is one line."""
+    folder = _demo_dir(arg)
+    what = f"--dir {folder}" if arg is not None else f"the demo folder {folder}"
+    if folder.exists() and not folder.is_dir():
+        raise OutputPathError(f"{what} is {'a file, ' if folder.is_file() else ''}not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputPathError(f"{what}: cannot make it: {exc.strerror or exc}") from None
+    return folder
 
 
 def _tiny_parser(sub: argparse._SubParsersAction) -> None:
