@@ -117,3 +117,14 @@ def test_an_interrupted_or_failed_demo_leaves_no_partial_model(tmp_path: Path, m
     assert status == (130 if stop is KeyboardInterrupt else 1)
     assert list(tmp_path.iterdir()) == [], "a half-written demo model was left behind"
     assert "Traceback" not in capsys.readouterr().err
+
+
+# --- a route trace that cannot be written --------------------------------------------------------
+
+def test_a_route_trace_on_a_full_disk_names_the_file_and_loses_nothing_else(tiny, tmp_path: Path) -> None:
+    profile = tmp_path / "profile.json"
+    proc = bmoe("run", "-m", str(tiny.path(TinySpec())), "-p", "hi", "-n", "3", "-c", "256", "--cache-mb", "4",
+                "--cache-profile", str(profile), "--route-trace", "/dev/full")
+    line = one_line(proc, 1)
+    assert line == "bmoe: error: cannot write the route trace /dev/full: No space left on device"
+    assert profile.exists(), "the session's teardown stopped at the trace: the cache profile was not saved"

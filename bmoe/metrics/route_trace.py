@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from bmoe.errors import OutputPathError
 from bmoe.io.layout import ModelLayout
 from bmoe.pipeline.trace import TraceWriter
 
@@ -40,8 +41,13 @@ class _Layer:
 class RouteRecorder:
     def __init__(self, path: str | os.PathLike[str], layout: ModelLayout, run: dict[str, object]) -> None:
         entry = self._entry = layout.entry_bytes()
+        self._path = path
+        self._failed: str | None = None  # why the trace cannot be written, once a write failed
+        # The file is the recorder's own, so that each call's rows are flushed at its end (a full
+        # disk fails the run at its first token, not its teardown) and a failure names the file.
+        self._f = open(path, "w", encoding="utf-8", newline="\n")
         self._writer = TraceWriter(
-            path, model=layout.shards[0].name, arch=layout.arch, n_layer=layout.n_layer,
+            self._f, model=layout.shards[0].name, arch=layout.arch, n_layer=layout.n_layer,
             n_expert=layout.n_expert, n_expert_used=layout.n_expert_used, expert_bytes=entry,
             dense_bytes={il: 0 for il in entry}, version=2, run=run,
         )
@@ -75,12 +81,18 @@ class RouteRecorder:
         end = time.perf_counter()
         layers = list(self._queue)
         self._queue.clear()
-        for i, rec in enumerate(layers):
-            nxt = layers[i + 1].done - layers[i + 1].wait_s if i + 1 < len(layers) else end
-            compute = nxt - rec.done
-            if i == 0:
-                compute += (rec.done - rec.wait_s) - self._call_start
-            self._write(rec, compute)
+        if self._failed is not None:
+            raise OutputPathError(self._failed)
+        try:
+            for i, rec in enumerate(layers):
+                nxt = layers[i + 1].done - layers[i + 1].wait_s if i + 1 < len(layers) else end
+                compute = nxt - rec.done
+                if i == 0:
+                    compute += (rec.done - rec.wait_s) - self._call_start
+                self._write(rec, compute)
+            self._f.flush()
+        except OSError as e:
+            raise self._failure(e) from e
 
     def _write(self, rec: _Layer, compute_s: float) -> None:
         resident = dict(zip(rec.experts.tolist(), rec.resident.tolist()))
@@ -98,4 +110,14 @@ class RouteRecorder:
                             read_us=rec.wait_s * 1e6)
 
     def close(self) -> None:
-        self._writer.close()
+        """Close the file; a write that fails here is one ``OutputPathError`` naming it. Once a
+        failure was raised, closing is quiet, so that what closes the session goes on."""
+        try:
+            self._f.close()  # a failed flush still closes it
+        except OSError as e:
+            if self._failed is None:
+                raise self._failure(e) from e
+
+    def _failure(self, e: OSError) -> OutputPathError:
+        self._failed = f"cannot write the route trace {self._path}: {e.strerror or e}"
+        return OutputPathError(self._failed)
