@@ -121,10 +121,26 @@ def test_an_interrupted_or_failed_demo_leaves_no_partial_model(tmp_path: Path, m
 
 # --- a route trace that cannot be written --------------------------------------------------------
 
-def test_a_route_trace_on_a_full_disk_names_the_file_and_loses_nothing_else(tiny, tmp_path: Path) -> None:
-    profile = tmp_path / "profile.json"
-    proc = bmoe("run", "-m", str(tiny.path(TinySpec())), "-p", "hi", "-n", "3", "-c", "256", "--cache-mb", "4",
-                "--cache-profile", str(profile), "--route-trace", "/dev/full")
-    line = one_line(proc, 1)
-    assert line == "bmoe: error: cannot write the route trace /dev/full: No space left on device"
+def test_a_route_trace_on_a_full_disk_is_one_line_naming_it(tiny, tmp_path: Path) -> None:
+    proc = bmoe("run", "-m", str(tiny.path(TinySpec())), "-p", "hi", "-n", "3", "-c", "256",
+                "--route-trace", "/dev/full")
+    assert one_line(proc, 1) == "bmoe: error: cannot write the route trace /dev/full: No space left on device"
+    assert proc.stdout == "", "the header is written at open: the run stops before its first token"
+
+
+def test_a_route_trace_that_fills_up_mid_run_names_it_and_the_session_still_closes(tiny, tmp_path: Path) -> None:
+    """A file size limit (RLIMIT_FSIZE; Python ignores SIGXFSZ, so a write past it is EFBIG) stands
+    for a disk that fills up during the run: by bytes, not by time."""
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1500, 1500))  # the header fits, 20 tokens' rows do not
+
+    trace, profile = tmp_path / "route.csv", tmp_path / "profile.json"
+    proc = subprocess.run([sys.executable, "-m", "bmoe.cli", "run", "-m", str(tiny.path(TinySpec())), "-p", "hi",
+                           "-n", "20", "-c", "256", "--cache-mb", "4", "--cache-profile", str(profile),
+                           "--route-trace", str(trace)], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=GUARD_S, preexec_fn=limit)
+    assert one_line(proc, 1) == f"bmoe: error: cannot write the route trace {trace}: File too large"
+    assert trace.read_text().startswith("# route_trace v2\n")
     assert profile.exists(), "the session's teardown stopped at the trace: the cache profile was not saved"

@@ -43,14 +43,24 @@ class RouteRecorder:
         entry = self._entry = layout.entry_bytes()
         self._path = path
         self._failed: str | None = None  # why the trace cannot be written, once a write failed
-        # The file is the recorder's own, so that each call's rows are flushed at its end (a full
-        # disk fails the run at its first token, not its teardown) and a failure names the file.
+        # The file is the recorder's own, so that the header and each call's rows are flushed at
+        # once (a full disk fails the open or the call, not the session's teardown after the run)
+        # and a failure names the file.
         self._f = open(path, "w", encoding="utf-8", newline="\n")
-        self._writer = TraceWriter(
-            self._f, model=layout.shards[0].name, arch=layout.arch, n_layer=layout.n_layer,
-            n_expert=layout.n_expert, n_expert_used=layout.n_expert_used, expert_bytes=entry,
-            dense_bytes={il: 0 for il in entry}, version=2, run=run,
-        )
+        try:
+            self._writer = TraceWriter(
+                self._f, model=layout.shards[0].name, arch=layout.arch, n_layer=layout.n_layer,
+                n_expert=layout.n_expert, n_expert_used=layout.n_expert_used, expert_bytes=entry,
+                dense_bytes={il: 0 for il in entry}, version=2, run=run,
+            )
+            self._f.flush()
+        except BaseException as e:
+            failure = self._failure(e) if isinstance(e, OSError) else None
+            self._failed = self._failed or "the trace could not be started"
+            self.close()
+            if failure is not None:
+                raise failure from e
+            raise
         self._queue: deque[_Layer] = deque()
         self._call_start = 0.0
         self._position = 0
