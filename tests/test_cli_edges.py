@@ -144,3 +144,26 @@ def test_a_route_trace_that_fills_up_mid_run_names_it_and_the_session_still_clos
     assert one_line(proc, 1) == f"bmoe: error: cannot write the route trace {trace}: File too large"
     assert trace.read_text().startswith("# route_trace v2\n")
     assert profile.exists(), "the session's teardown stopped at the trace: the cache profile was not saved"
+
+
+# --- empty prompts -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["-p ''", "-f empty", "-p - (empty stdin)"])
+def test_run_refuses_an_empty_prompt(tiny, tmp_path: Path, how: str) -> None:
+    (tmp_path / "empty.txt").write_bytes(b"")
+    given = {"-p ''": ["-p", ""], "-f empty": ["-f", str(tmp_path / "empty.txt")], "-p - (empty stdin)": ["-p", "-"]}
+    line = one_line(bmoe("run", "-m", str(tiny.path(TinySpec())), *given[how], "-n", "2", "-c", "256"), 2)
+    assert "the prompt is empty" in line
+
+
+def test_bench_refuses_an_empty_prompt_as_run_does(tiny, tmp_path: Path) -> None:
+    line = one_line(bmoe("bench", str(tiny.path(TinySpec())), "--prompt", "", "--out", str(tmp_path / "out")), 2)
+    assert "the prompt is empty" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_chat_skips_empty_lines_silently(tiny) -> None:
+    proc = bmoe("chat", "-m", str(tiny.path(TinySpec())), "-n", "2", "-c", "256", "-q", stdin="\n   \n\t\n\n")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "", "an empty line was sent to the model"
+    assert "error" not in proc.stderr and "tok/s" not in proc.stderr, proc.stderr

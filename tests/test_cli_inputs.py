@@ -101,8 +101,9 @@ def test_a_model_that_is_a_folder_or_unreadable_is_one_line(tmp_path: Path) -> N
 @pytest.mark.parametrize("fd", [0, 1, 2])
 def test_a_closed_standard_descriptor_is_no_signal(tiny, fd: int) -> None:
     """``0<&-``, ``>&-`` or ``2>&-``: the next file opened took the free number and libuv aborted
-    the process when it closed it (SIGABRT); the missing stream is now /dev/null."""
-    proc = subprocess.run([sys.executable, "-m", "bmoe.cli", "run", "-m", str(tiny.path(TinySpec())), "-p", "-",
+    the process when it closed it (SIGABRT); the missing stream is now /dev/null. (The prompt is
+    given, as ``-p -`` on a closed stdin is an empty prompt, refused before any file is opened.)"""
+    proc = subprocess.run([sys.executable, "-m", "bmoe.cli", "run", "-m", str(tiny.path(TinySpec())), "-p", "hi",
                            "-n", "3", "-c", "256"], stdin=subprocess.DEVNULL, capture_output=True,
                           preexec_fn=lambda: os.close(fd), timeout=120)
     assert proc.returncode == 0, (proc.returncode, proc.stderr)

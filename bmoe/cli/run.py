@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from bmoe.cli.edge import Interrupted, _prompt_text, _run
+from bmoe.cli.edge import Interrupted, UsageError, _prompt_text, _run
 from bmoe.cli.flags import (
     _check_outputs,
     _common_flags,
@@ -49,15 +49,21 @@ def _prompt_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _prompt(args: argparse.Namespace) -> str:
-    """The prompt of -p TEXT, -p - (standard input) or -f FILE; undecodable bytes kept as U+FFFD."""
+    """The prompt of -p TEXT, -p - (standard input) or -f FILE; undecodable bytes kept as U+FFFD.
+    An empty one is a usage error (status 2), whichever way it came."""
     if args.file is not None:
         try:
-            return args.file.read_bytes().decode("utf-8", errors="replace")
+            text = args.file.read_bytes().decode("utf-8", errors="replace")
         except OSError as exc:
             raise ConfigError(f"-f {args.file}: {exc.strerror}") from None
-    if args.prompt == "-":
-        return sys.stdin.buffer.read().decode("utf-8", errors="replace")
-    return args.prompt
+        where = f" (-f {args.file})"
+    elif args.prompt == "-":
+        text, where = sys.stdin.buffer.read().decode("utf-8", errors="replace"), " (-p -: standard input)"
+    else:
+        text, where = args.prompt, ""
+    if not text:
+        raise UsageError(f"bmoe run: the prompt is empty{where}")
+    return text
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
