@@ -153,3 +153,16 @@ def test_sequential_asyncio_runs_share_one_session(tiny) -> None:
     finally:
         s.close()
     assert runs[0] == runs[1] and len(runs[0]) == 3
+
+
+def test_close_frees_everything_even_when_saving_the_profile_fails(tiny, tmp_path: Path) -> None:
+    folder = tmp_path / "gone"
+    folder.mkdir()
+    s = Session.open(tiny.path(TinySpec()), RunConfig(mode="stream", n_ctx=256, cache_bytes=4 << 20,
+                                                      cache_profile=str(folder / "p.json")))
+    asyncio.run(s.generate(PROMPT, 2, stop_at_end=False))
+    folder.rmdir()  # the profile cannot be written any more
+    model = s._model
+    with pytest.raises(ConfigError, match="cannot write the cache profile"):
+        s.close()
+    assert model.ctx is None and s._streaming is None, "the model and the regions were freed all the same"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import re
 import sys
 import time
@@ -667,24 +668,25 @@ class Session:
         self._teardown()
 
     def _teardown(self) -> None:
-        self._compute.close()
-        if self._recorder is not None:
-            self._recorder.close()
-            self._recorder = None
-        if self._streaming is not None:
-            try:
+        """Every step runs even when one before it raises (a full disk under the route trace or
+        the profile must not keep the model and its regions alive); the error is raised after."""
+        recorder, self._recorder = self._recorder, None
+        streaming, self._streaming = self._streaming, None
+        dense, self._dense = self._dense, None
+        with contextlib.ExitStack() as steps:  # callbacks run last-pushed first
+            if self._blas_held:
+                self._blas_held = False
+                steps.callback(release_blas_threads)
+            steps.callback(self._model.close)  # after the regions' pointers are restored
+            if dense is not None:
+                steps.callback(dense.close)
+            if streaming is not None:
+                steps.callback(streaming.close)
                 if self.config.cache_profile:
-                    self._streaming.save_profile(self.config.cache_profile, self.layout)
-            finally:
-                self._streaming.close()
-                self._streaming = None
-        if self._dense is not None:
-            self._dense.close()
-            self._dense = None
-        self._model.close()
-        if self._blas_held:
-            self._blas_held = False
-            release_blas_threads()
+                    steps.callback(streaming.save_profile, self.config.cache_profile, self.layout)
+            if recorder is not None:
+                steps.callback(recorder.close)
+            steps.callback(self._compute.close)
 
     def __del__(self) -> None:
         """A session dropped unclosed: warn as an unclosed file does, and free its threads,
