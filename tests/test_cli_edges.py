@@ -119,6 +119,23 @@ def test_an_interrupted_or_failed_demo_leaves_no_partial_model(tmp_path: Path, m
     assert "Traceback" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("shards", [1, 3])
+def test_an_interrupted_make_tiny_leaves_no_half_written_file(tmp_path: Path, monkeypatch, capsys, shards: int) -> None:
+    import bmoe.synth.tiny
+    from bmoe.cli import main
+
+    def half_written(path: Path, spec: object, progress: object = None) -> list[Path]:
+        for file in bmoe.synth.tiny.tiny_files(Path(path), shards)[:2]:
+            file.write_bytes(b"GGUF" + bytes(1000))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bmoe.synth.tiny, "write_tiny", half_written)
+    (tmp_path / "keep.gguf").write_bytes(b"someone else's")
+    assert main(["make-tiny", str(tmp_path / "t.gguf"), "--shards", str(shards)]) == 130
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.gguf"], "a half-written model was left behind"
+    assert "Traceback" not in capsys.readouterr().err
+
+
 # --- a route trace that cannot be written --------------------------------------------------------
 
 def test_a_route_trace_on_a_full_disk_is_one_line_naming_it(tiny, tmp_path: Path) -> None:

@@ -126,7 +126,13 @@ def _write_with_progress(out: Path, spec) -> list[Path]:  # noqa: ANN001
 
         try:
             return write_tiny(out, spec, progress)
-        except OSError as e:
-            if e.filename is None:
+        except BaseException as e:
+            # Half-written files are not models: remove them (checked new, or --force'd away, so
+            # they are this run's own), whether a write failed or Ctrl-C came.
+            from bmoe.synth.tiny import tiny_files
+
+            for file in tiny_files(out, spec.shards):
+                file.unlink(missing_ok=True)
+            if isinstance(e, OSError) and e.filename is None:
                 e.filename = str(out)  # a failed write says where it was going
             raise
