@@ -1003,7 +1003,7 @@ def _cmd_synth(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     with tqdm(total=None, unit="B", unit_scale=True, unit_divisor=1024,
-              desc=f"writing {args.out.name}", file=sys.stderr) as bar:
+              desc=f"writing {args.out.name}", file=sys.stderr, disable=not sys.stderr.isatty()) as bar:
         def progress(done: int, total: int) -> None:
             bar.total = total
             bar.update(done - bar.n)
