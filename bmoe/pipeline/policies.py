@@ -222,7 +222,10 @@ class ExpectedReusePolicy:
         self._held: list[tuple[int, int, float]] = []  # (row, expert, key) handed out by victims()
         self._pos = -1  # plan calls seen
         self._step = 0  # trims seen (llama_decode calls)
-        self._bytes_at: list[int] = [0]  # bytes of the entries whose last use was at each step
+        # Bytes of the entries whose last use was at each step, for the steps from _bytes_base on:
+        # only the last MAX_MEMORY_STEPS are ever walked, so older ones are dropped (step_end).
+        self._bytes_at: list[int] = [0]
+        self._bytes_base = 0  # the step _bytes_at[0] stands for
         self._seen_bytes = 0
         self._min_routed = 1 << 30
         self._first_row = 0
@@ -294,6 +297,11 @@ class ExpectedReusePolicy:
     def step_end(self) -> None:
         self._step += 1
         self._bytes_at.append(0)
+        keep = self.MAX_MEMORY_STEPS + 1  # the step just opened and the completed ones walked
+        if len(self._bytes_at) >= 2 * keep:  # one slice per MAX_MEMORY_STEPS steps: amortised O(1)
+            drop = len(self._bytes_at) - keep
+            del self._bytes_at[:drop]
+            self._bytes_base += drop
         self._measure_memory()
 
     # -- the protocol ---------------------------------------------------------------------------
@@ -366,12 +374,13 @@ class ExpectedReusePolicy:
             return
         if nbytes:
             at = self._bytes_at
-            step = self._step
+            base = self._bytes_base
+            step = self._step - base
             for old in st.last_step[ids].tolist():
                 if old < 0:
                     self._seen_bytes += nbytes
-                else:
-                    at[old] -= nbytes
+                elif old >= base:  # a step dropped from the table is never walked again
+                    at[old - base] -= nbytes
                 at[step] += nbytes
         st.last_step[ids] = self._step
 
@@ -381,14 +390,15 @@ class ExpectedReusePolicy:
         if budget is None:
             return
         at = self._bytes_at
-        n = len(at) - 1  # completed steps; at[-1] is the step just opened (empty)
+        n = self._step  # completed steps; at[-1] is the step just opened (empty)
         if self._seen_bytes <= budget:
             t = float(max(n, 1))  # everything routed so far fits: the cache forgets nothing
         else:
             acc = 0
             t = float(min(n, self.MAX_MEMORY_STEPS))
+            last = n - 1 - self._bytes_base  # index of the last completed step
             for back in range(min(n, self.MAX_MEMORY_STEPS)):
-                b = at[n - 1 - back]
+                b = at[last - back]
                 if b <= 0:  # a step that routed nothing new (or was cancelled) holds no memory
                     continue
                 if acc + b >= budget:
