@@ -233,19 +233,27 @@ class _StdinLines:
 
 
 def _fit(session, fmt, history, n: int, template_kwargs: dict | None = None) -> str:  # noqa: ANN001
-    """Render the conversation, dropping the oldest turns (never the system message) to fit. A last
-    message that cannot fit even alone raises ConfigError and leaves ``history`` as it was."""
+    """Render the conversation, dropping the oldest turns (a user message with its reply; never the
+    system message) to fit. A last message that cannot fit even alone raises ConfigError and leaves
+    ``history`` as it was."""
     kept = list(history)
+    dropped = 0
     while True:
         prompt = fmt.render(kept, template_kwargs)
         if len(session.tokenize(prompt, special=True)) + n <= session.n_ctx:
-            if len(kept) < len(history):
-                print("bmoe: the conversation outgrew the context; dropped the oldest turn"
-                      + ("s" if len(history) - len(kept) > 1 else ""), file=sys.stderr)
+            if dropped:
+                what = "the oldest turn was dropped" if dropped == 1 else f"the oldest {dropped} turns were dropped"
+                print(f"bmoe: the conversation outgrew the context ({session.n_ctx} tokens, {n} of them kept for "
+                      f"the reply): {what}, the model no longer sees {'it' if dropped == 1 else 'them'}",
+                      file=sys.stderr)
                 history[:] = kept
             return prompt
         oldest = next((i for i, m in enumerate(kept) if m.role != "system"), None)
         if oldest is None or oldest == len(kept) - 1:
             raise ConfigError(f"the message does not fit the context ({session.n_ctx} tokens, {n} of them kept "
                               f"for the reply); not sent: shorten it, or raise -c or lower -n")
-        del kept[oldest]
+        end = oldest + 1  # the turn runs to the next user message (never past the new one)
+        while end < len(kept) - 1 and kept[end].role != "user":
+            end += 1
+        del kept[oldest:end]
+        dropped += 1
