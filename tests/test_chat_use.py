@@ -1,12 +1,163 @@
-"""``bmoe chat`` used as a person uses it: what the conversation keeps when the context is
-outgrown."""
+"""``bmoe chat`` used as a person uses it: what the terminal shows (a reply's reasoning and answer
+on lines of their own, no raw control characters, why a reply ended early, how to leave), what a
+piped session prints, and what the conversation keeps when a reply is stopped or the context is
+outgrown. Nothing is timed: every wait is on expected output, with a generous guard."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+
 import pytest
+from gguf import GGUFValueType, TokenType
+from gguf.gguf_writer import GGUFValue
 
 from bmoe.cli.chat import _fit
 from bmoe.engine.chat import ChatFormat, Message
+from bmoe.synth.tiny import TinySpec, write_tiny
+from tests.test_chat_tty import ENTERED, GUARD_S, PROMPT, spawn
+from tests.test_harmony import GPT_OSS_LIKE, HARMONY
+from tests.test_thinking import QWEN3_LIKE
+
+DIM, UNDIM = "\x1b[2m", "\x1b[0m"
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):  # noqa: ANN001, ANN201
+    """A tiny qwen3moe whose template is Qwen3-shaped (``<think>``, ``enable_thinking``)."""
+    def edit(w) -> None:  # noqa: ANN001
+        w.kv_data[0]["tokenizer.chat_template"] = GGUFValue(QWEN3_LIKE.decode(), GGUFValueType.STRING)
+
+    (path,) = write_tiny(tmp_path_factory.mktemp("qwen3") / "q.gguf", TinySpec(), edit_metadata=edit)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):  # noqa: ANN001, ANN201
+    """A tiny gpt-oss with the harmony markers in its vocabulary and a gpt-oss-shaped template."""
+    from bmoe.synth.vocab import byte_vocab
+
+    def edit(w) -> None:  # noqa: ANN001
+        vocab = byte_vocab()
+        tokens, types = list(vocab.tokens), list(vocab.types)
+        for i, marker in enumerate(HARMONY, start=len(tokens) - len(HARMONY)):
+            tokens[i], types[i] = marker, int(TokenType.CONTROL)
+        kv = w.kv_data[0]
+        kv["tokenizer.ggml.tokens"] = GGUFValue(tokens, GGUFValueType.ARRAY, GGUFValueType.STRING)
+        kv["tokenizer.ggml.token_type"] = GGUFValue(types, GGUFValueType.ARRAY, GGUFValueType.INT32)
+        kv["tokenizer.chat_template"] = GGUFValue(GPT_OSS_LIKE, GGUFValueType.STRING)
+
+    (path,) = write_tiny(tmp_path_factory.mktemp("gptoss") / "g.gguf", TinySpec(arch="gpt-oss", n_layer=2),
+                         edit_metadata=edit)
+    return path
+
+
+def grammar(tmp_path, rule: str):  # noqa: ANN001, ANN201
+    path = tmp_path / "g.gbnf"
+    path.write_text(f"root ::= {rule}\n")
+    return str(path)
+
+
+def chat_piped(path, lines: str, *extra: str) -> subprocess.CompletedProcess:  # noqa: ANN001
+    proc = subprocess.run([sys.executable, "-m", "bmoe.cli", "chat", "-m", str(path), *extra],
+                          input=lines, capture_output=True, text=True, timeout=GUARD_S)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    return proc
+
+
+def leave(chat) -> str:  # noqa: ANN001
+    chat.sendeof()
+    chat.expect(pexpect_eof())
+    chat.close()
+    assert chat.exitstatus == 0, chat.before
+    return chat.before or ""
+
+
+def pexpect_eof():  # noqa: ANN201
+    import pexpect
+
+    return pexpect.EOF
+
+
+@pytest.mark.parametrize("model,rule", [
+    ("qwen3", '"<think>" [a-z]{2,6} "</think>" [a-z]{1,4}'),
+    ("gpt-oss", '"<|channel|>analysis<|message|>" [a-z]{2,6} "<|end|><|start|>assistant<|channel|>final<|message|>" '
+                '[a-z]{1,4}'),
+])
+def test_the_answer_starts_on_a_line_of_its_own_after_the_reasoning(model, rule, request, tmp_path) -> None:  # noqa: ANN001
+    """Dimmed reasoning that does not end its line was run together with the answer."""
+    path = request.getfixturevalue("qwen3" if model == "qwen3" else "gpt_oss")
+    chat = spawn(path, "-n", "90", "-q", "--temp", "0.9", "--seed", "3", "--grammar-file", grammar(tmp_path, rule))
+    chat.expect_exact(PROMPT)
+    chat.sendline("hi")
+    chat.expect_exact(ENTERED)
+    chat.expect_exact(PROMPT)
+    reply = chat.before
+    assert re.fullmatch(rf"(?:{re.escape(DIM)}[a-z]+{re.escape(UNDIM)})+\r\n[a-z]{{1,4}}\r\n", reply), repr(reply)
+    leave(chat)
+
+
+def test_control_characters_from_the_model_are_shown_as_symbols_on_a_terminal(qwen3, tmp_path) -> None:
+    """A model's escape sequence, backspace, carriage return or bell reached the terminal raw (it
+    moved the cursor, changed colours); a redirected transcript keeps them as the model wrote them."""
+    rule = grammar(tmp_path, r'"x\x1b[7m\x08\ry\x07z"')
+    chat = spawn(qwen3, "-n", "30", "-q", "--grammar-file", rule)
+    chat.expect_exact(PROMPT)
+    chat.sendline("hi")
+    chat.expect_exact(ENTERED)
+    chat.expect_exact(PROMPT)
+    assert chat.before == "x\u241b[7m\u2408y\u2407z\r\n", repr(chat.before)
+    leave(chat)
+    proc = subprocess.run([sys.executable, "-m", "bmoe.cli", "chat", "-m", str(qwen3), "-n", "30", "-q",
+                           "--grammar-file", rule], input=b"hi\n", capture_output=True, timeout=GUARD_S)
+    assert proc.returncode == 0 and proc.stdout == b"x\x1b[7m\x08\ry\x07z\n", proc
+
+
+def test_a_reply_cut_by_n_says_so(qwen3) -> None:
+    """A reply that ran into -n ended with no word of why; on a terminal the mark follows the text,
+    redirected it goes to stderr, never into the transcript."""
+    chat = spawn(qwen3, "-n", "4", "-q")
+    chat.expect_exact(PROMPT)
+    chat.sendline("hi")
+    chat.expect_exact(ENTERED)
+    chat.expect_exact(" [cut at 4 tokens (-n)]\r\n")
+    chat.expect_exact(PROMPT)
+    leave(chat)
+    proc = chat_piped(qwen3, "hi\n", "-n", "4")
+    assert "[cut at 4 tokens (-n)]" in proc.stderr and "cut at" not in proc.stdout
+
+
+def test_a_reply_stopped_before_its_answer_leaves_no_turn(qwen3, tmp_path) -> None:
+    """Ctrl-C while the prompt is evaluated or the model is still reasoning: there is no answer, and
+    the message is not kept (it stayed in the conversation with an empty reply); the up arrow
+    brings it back, and sent again its prompt is the one it had the first time."""
+    rule = grammar(tmp_path, '"<think>" [a-z ]{400} "</think>" [a-z]{1,4}')
+    chat = spawn(qwen3, "-n", "500", "-q", "--temp", "0.9", "--seed", "5", "--grammar-file", rule)
+    chat.expect_exact(PROMPT)
+    chat.sendline("tell me")
+    chat.expect_exact(ENTERED)
+    chat.expect_exact(DIM)  # it is reasoning
+    chat.sendintr()
+    chat.expect_exact("[stopped before the answer; the message is not kept (up arrow recalls it)]")
+    chat.expect_exact(PROMPT)
+    chat.sendline("/stats")
+    chat.expect(r"last prompt: (\d+) tokens")
+    first = int(chat.match.group(1))
+    chat.expect_exact(PROMPT)
+    chat.send("\x1b[A")  # /stats
+    chat.expect_exact("/stats")
+    chat.send("\x1b[A")  # the message before it
+    chat.expect_exact("tell me")
+    chat.send("\r")
+    chat.expect_exact(ENTERED)
+    chat.expect_exact(PROMPT)
+    assert "not kept" not in chat.before and "\r\n" in chat.before  # answered this time
+    chat.sendline("/stats")
+    chat.expect(r"last prompt: (\d+) tokens")
+    assert int(chat.match.group(1)) == first, "the stopped turn is not in the conversation"
+    chat.expect_exact(PROMPT)
+    leave(chat)
 
 
 class _Tokens:

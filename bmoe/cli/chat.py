@@ -78,7 +78,7 @@ async def _chat(model: Path, config: RunConfig, system: str | None, n: int, *, s
         for warning in session.warnings:
             print(f"bmoe: warning: {warning}", file=sys.stderr)
         fmt = session.chat_format()
-        dim = ("\x1b[2m", "\x1b[0m") if sys.stdout.isatty() else None  # reasoning: dimmed, or left out
+        tty = sys.stdout.isatty()
         if not quiet:
             print(f"bmoe chat: {model.name}, {fmt.description}. /help lists commands; Ctrl-D leaves.",
                   file=sys.stderr)
@@ -125,8 +125,9 @@ async def _chat(model: Path, config: RunConfig, system: str | None, n: int, *, s
                 history.pop()
                 print(f"bmoe: {exc}", file=sys.stderr)
                 continue
+            reply = _Reply(tty)
             split = fmt.splitter(prompt)
-            parts: list[str] = []
+            finish = None
             _SIGINT_TAKEN_BY.append(session.cancel)  # Ctrl-C ends this reply only
             try:
                 async for piece in session.stream(prompt, n, special=True, sampling=sampling, stop=stop):
@@ -134,26 +135,77 @@ async def _chat(model: Path, config: RunConfig, system: str | None, n: int, *, s
                     if piece.finish_reason is not None:
                         r2, a2 = split.flush()
                         reasoning, answer = reasoning + r2, answer + a2
-                    if reasoning and dim is not None:
-                        sys.stdout.write(dim[0] + reasoning + dim[1])
-                    parts.append(answer)
-                    sys.stdout.write(answer)
-                    sys.stdout.flush()
+                    reply.show(reasoning, answer)
                     if piece.usage is not None:
+                        finish = piece.finish_reason
                         totals["replies"] += 1
                         totals["tokens"] += piece.usage.completion_tokens
                         totals["prompt"] += piece.usage.prompt_tokens
                         totals["reused"] += piece.usage.prompt_reused
-                        if piece.finish_reason == "cancelled":
-                            sys.stdout.write(" [stopped]")
             finally:
                 _SIGINT_TAKEN_BY.remove(session.cancel)
-            print()
-            history.append(Message("assistant", "".join(parts)))
+            answered = reply.answer.strip() != ""
+            note = {"cancelled": "stopped", "length": f"cut at {n} tokens (-n)"}.get(finish or "")
+            if note is not None and not answered:
+                # Nothing of an answer: the message would sit in the conversation unanswered
+                history.pop()
+                note += " before the answer; the message is not kept (up arrow recalls it)"
+                if finish == "length" and reply.reasoned:
+                    note += ": raise -n, or /think off"
+            else:
+                history.append(Message("assistant", reply.answer))
+            reply.end(note, quiet)
             stats = session.last_stats
             if stats is not None and not quiet:
                 r = {"n_tokens": stats.generated_tokens, **stats.as_dict()}
                 print(_summary(r), file=sys.stderr)
+
+
+# C0 controls but newline and tab, DEL, C1 controls: never written raw to a terminal, where a model's
+# escape sequence, backspace or carriage return would move the cursor or change the terminal's state.
+_CONTROLS = {c: (chr(0x2400 + c) if c < 0x20 else "\ufffd") for c in (*range(0x20), *range(0x7F, 0xA0))}
+_CONTROLS[0x7F] = "\u2421"
+_CONTROLS[ord("\r")] = None
+del _CONTROLS[ord("\n")], _CONTROLS[ord("\t")]
+
+
+class _Reply:
+    """A reply as it streams to standard output. On a terminal the reasoning is shown dimmed, on a
+    line of its own before the answer, and control characters are shown as symbols; a redirected
+    transcript gets the answer only, as the model wrote it."""
+
+    def __init__(self, tty: bool) -> None:
+        self.tty = tty
+        self.answer = ""
+        self.reasoned = False
+        self._last = "\n"  # the last character written to the terminal
+
+    def show(self, reasoning: str, answer: str) -> None:
+        out = sys.stdout
+        if reasoning and self.tty:
+            reasoning = reasoning.translate(_CONTROLS)
+            if reasoning:
+                self.reasoned = True
+                out.write("\x1b[2m" + reasoning + "\x1b[0m")
+                self._last = reasoning[-1]
+        if answer:
+            if not self.answer and self.reasoned and self._last != "\n":
+                out.write("\n")  # the answer begins on a line of its own
+            self.answer += answer
+            shown = answer.translate(_CONTROLS) if self.tty else answer
+            out.write(shown)
+            self._last = shown[-1:] or self._last
+        out.flush()
+
+    def end(self, note: str | None, quiet: bool) -> None:
+        """End the reply's line, with why it ended early (``note``) if it did."""
+        if note is not None and self.tty:
+            sys.stdout.write(f" [{note}]\n")
+        elif self._last != "\n" or not self.tty:
+            sys.stdout.write("\n")
+        sys.stdout.flush()
+        if note is not None and not self.tty and (not quiet or "not kept" in note):
+            print(f"[{note}]", file=sys.stderr)
 
 
 def _chat_stats(session, totals: dict[str, int]) -> str:  # noqa: ANN001
