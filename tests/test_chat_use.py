@@ -160,6 +160,67 @@ def test_a_reply_stopped_before_its_answer_leaves_no_turn(qwen3, tmp_path) -> No
     leave(chat)
 
 
+def test_ctrl_c_at_an_empty_prompt_says_how_to_leave_and_twice_leaves(qwen3) -> None:
+    """Ctrl-C at an empty prompt did nothing visible; now it says how to leave, and a second one in
+    a row leaves (a key typed in between starts over)."""
+    chat = spawn(qwen3, "-q")
+    chat.expect_exact(PROMPT)
+    chat.sendintr()
+    chat.expect_exact("(Ctrl-C again, Ctrl-D or /exit leaves)")
+    chat.expect_exact(PROMPT)
+    chat.send("x")
+    chat.expect_exact("x")
+    chat.send("\x7f")  # typed and erased: not "in a row"
+    chat.expect_exact("\x1b[K")
+    chat.sendintr()
+    chat.expect_exact("(Ctrl-C again, Ctrl-D or /exit leaves)")
+    chat.expect_exact(PROMPT)
+    chat.sendintr()
+    chat.expect(pexpect_eof())
+    chat.close()
+    assert chat.exitstatus == 0
+    assert "Traceback" not in (chat.before or "")
+
+
+def test_esc_enter_starts_a_new_line_of_the_same_message(qwen3) -> None:
+    """There was no way to type a message of several lines (only to paste one)."""
+    chat = spawn(qwen3, "-n", "4", "-q")
+    chat.expect_exact(PROMPT)
+    chat.send("first line")
+    chat.send("\x1b\r")  # Esc, Enter (what Alt-Enter sends)
+    chat.send("second line")
+    chat.expect_exact("second line")
+    chat.send("\r")
+    chat.expect_exact("> first line")
+    chat.expect_exact(". second line")  # the line entered, redrawn whole: its continuation is marked
+    chat.expect_exact(ENTERED)
+    chat.expect_exact(PROMPT)
+    chat.sendline("/stats")
+    chat.expect_exact("session: 1 replies")
+    chat.expect_exact(PROMPT)
+    leave(chat)
+
+
+def test_piped_lines_are_echoed_after_their_prompt(qwen3) -> None:
+    """``printf 'hi\\nthere\\n' | bmoe chat``: each line is answered, and the prompt stream shows the
+    line after its prompt, so a reply never reads as if it were typed after "> "."""
+    proc = chat_piped(qwen3, "hi\nthere\n", "-n", "4", "-q")
+    assert proc.stderr == "> hi\n> there\n> \n"
+    assert len(proc.stdout.splitlines()) == 2
+
+
+def test_the_banner_says_what_runs_and_quiet_hides_the_warnings(qwen3) -> None:
+    proc = chat_piped(qwen3, "", "-c", "100")
+    assert "bmoe: warning: the context holds 256 tokens" in proc.stderr
+    assert ("bmoe chat: q.gguf (qwen3moe), streamed, cache off, context 256 tokens, replies up to 256 tokens (-n)"
+            in proc.stderr), proc.stderr
+    assert "the model's own chat template; thinking on (/think)" in proc.stderr and "/help lists" in proc.stderr
+    proc = chat_piped(qwen3, "", "-c", "100", "-q")
+    assert proc.stderr == "> \n", "-q: no banner and no warnings"
+    proc = chat_piped(qwen3, "", "--resident", "--no-think")
+    assert "streamed" not in proc.stderr and ", resident, " in proc.stderr and "thinking off" in proc.stderr
+
+
 class _Tokens:
     """A stand-in session for ``_fit``: one token per character."""
 

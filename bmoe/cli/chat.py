@@ -58,11 +58,12 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 
 CHAT_HELP = """commands:
-  /help     this list
-  /reset    forget the conversation (the system message stays)
-  /stats    what the last reply measured, and the session's totals
+  /help           this list
+  /reset          forget the conversation (the system message stays)
+  /stats          what the last reply measured, and the session's totals
   /think on|off   let a thinking model reason first (shown dimmed), or not
-  /exit     leave (so does Ctrl-D)
+  /exit           leave (so do Ctrl-D, and Ctrl-C twice at an empty prompt)
+keys: up and down recall earlier lines; Esc then Enter (or Alt-Enter) starts a new line;
 Ctrl-C stops a reply and keeps the conversation; at the prompt it clears the line."""
 
 
@@ -75,13 +76,12 @@ async def _chat(model: Path, config: RunConfig, system: str | None, n: int, *, s
     from bmoe.engine.session import Session
 
     with Session.open(model, config) as session:
-        for warning in session.warnings:
+        for warning in () if quiet else session.warnings:
             print(f"bmoe: warning: {warning}", file=sys.stderr)
         fmt = session.chat_format()
         tty = sys.stdout.isatty()
         if not quiet:
-            print(f"bmoe chat: {model.name}, {fmt.description}. /help lists commands; Ctrl-D leaves.",
-                  file=sys.stderr)
+            print(_banner(model, session, fmt, n, think), file=sys.stderr)
         start: list[Message] = [Message("system", system)] if system else []
         history = list(start)
         read_line = _line_reader()
@@ -89,6 +89,9 @@ async def _chat(model: Path, config: RunConfig, system: str | None, n: int, *, s
         while True:
             try:
                 line = await read_line("> ")
+            except _EmptyInterrupt:  # Ctrl-C at an empty prompt: say how to leave (a second one does)
+                print("(Ctrl-C again, Ctrl-D or /exit leaves)", file=sys.stderr)
+                continue
             except KeyboardInterrupt:
                 continue  # Ctrl-C at the prompt: the line is dropped, the chat goes on
             except EOFError:
@@ -161,6 +164,19 @@ async def _chat(model: Path, config: RunConfig, system: str | None, n: int, *, s
                 print(_summary(r), file=sys.stderr)
 
 
+def _banner(model: Path, session, fmt, n: int, think: bool) -> str:  # noqa: ANN001
+    """What the chat runs: the file, how, the context, the template; and how to get help."""
+    how = "resident"
+    if session.config.mode != "resident":
+        budget = session.budget_bytes
+        how = "streamed, " + (f"cache {budget >> 20} MiB" if budget else "cache off")
+    arch = getattr(getattr(session, "layout", None), "arch", None)
+    first = (f"bmoe chat: {model.name}" + (f" ({arch})" if arch else "")
+             + f", {how}, context {session.n_ctx} tokens, replies up to {n} tokens (-n)")
+    thinking = f"; thinking {'on' if think else 'off'} (/think)" if fmt.thinks else ""
+    return f"{first}\n{fmt.description}{thinking}. /help lists commands; Ctrl-D leaves."
+
+
 # C0 controls but newline and tab, DEL, C1 controls: never written raw to a terminal, where a model's
 # escape sequence, backspace or carriage return would move the cursor or change the terminal's state.
 _CONTROLS = {c: (chr(0x2400 + c) if c < 0x20 else "\ufffd") for c in (*range(0x20), *range(0x7F, 0xA0))}
@@ -222,19 +238,55 @@ def _chat_stats(session, totals: dict[str, int]) -> str:  # noqa: ANN001
     return "\n".join(lines)
 
 
+def _continuation(width: int, line: int, wrap: int) -> str:
+    """Before the second and later lines of a message: ". " (blank where a long line wraps)."""
+    return " " * width if wrap else "." * (width - 1) + " "
+
+
+class _EmptyInterrupt(KeyboardInterrupt):
+    """Ctrl-C at a prompt with nothing typed."""
+
+
 def _line_reader():  # noqa: ANN202 - async (prompt) -> line; raises EOFError / KeyboardInterrupt
-    """prompt_toolkit on a terminal (editing, history, Ctrl-C clears the line); plain lines else."""
+    """prompt_toolkit on a terminal (editing, history, Ctrl-C clears the line, Esc-Enter starts a
+    new line); plain lines else, each echoed after its prompt so that the prompt stream reads as a
+    transcript (a reply never shares a line with the prompt)."""
     prompt_to = sys.stdout if sys.stdout.isatty() else sys.stderr
     if sys.stdin.isatty():
         from prompt_toolkit import PromptSession
         from prompt_toolkit.history import InMemoryHistory
+        from prompt_toolkit.key_binding import KeyBindings
         from prompt_toolkit.output import create_output
 
-        ps = PromptSession(history=InMemoryHistory(), output=create_output(stdout=prompt_to))
+        keys = KeyBindings()
+
+        @keys.add("escape", "enter")
+        @keys.add("escape", "c-j")
+        def _newline(event) -> None:  # noqa: ANN001
+            event.current_buffer.insert_text("\n")
+
+        ps = PromptSession(history=InMemoryHistory(), output=create_output(stdout=prompt_to), key_bindings=keys,
+                           prompt_continuation=_continuation)
+
+        typed = [False]  # a key changed the line since the prompt was drawn
+        armed = [False]  # the last prompt ended by Ctrl-C with nothing typed
+        ps.default_buffer.on_text_changed += lambda _: typed.__setitem__(0, True)
 
         async def edited(prompt: str) -> str:
             # Ctrl-C at the prompt is a key in raw mode; leave the runner's SIGINT handler alone
-            return await ps.prompt_async(prompt, handle_sigint=False)
+            typed[0] = False
+            try:
+                line = await ps.prompt_async(prompt, handle_sigint=False)
+            except KeyboardInterrupt:
+                if ps.default_buffer.text.strip():
+                    armed[0] = False
+                    raise
+                if armed[0] and not typed[0]:  # Ctrl-C twice in a row at an empty prompt: leave
+                    raise EOFError from None
+                armed[0] = True
+                raise _EmptyInterrupt from None
+            armed[0] = False
+            return line
 
         return edited
 
@@ -246,7 +298,10 @@ def _line_reader():  # noqa: ANN202 - async (prompt) -> line; raises EOFError / 
         line = await lines.readline()
         if not line:
             raise EOFError
-        return line.decode("utf-8", errors="replace").rstrip("\n")
+        text = line.decode("utf-8", errors="replace").rstrip("\n")
+        prompt_to.write(text.translate(_CONTROLS) + "\n")
+        prompt_to.flush()
+        return text
 
     return plain
 
