@@ -4,7 +4,9 @@ first-open check off for the suite, async tests on both loops. Shared helpers li
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
+import stat
 from collections.abc import Callable
 
 import pytest
@@ -31,3 +33,23 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> d
         return factories
     factories["uvloop"] = uvloop.new_event_loop
     return factories
+
+
+@pytest.fixture
+def full_device(tmp_path) -> str:  # noqa: ANN001
+    """A path where every write fails with "No space left on device": a node of the test's own in
+    its temporary folder (made as root), else the machine's /dev/full. A test of a command that
+    once removed what it half wrote must not be able to take the machine's /dev/full with it."""
+    own = tmp_path / "full"
+    try:
+        os.mknod(own, 0o666 | stat.S_IFCHR, os.makedev(1, 7))
+        with open(own, "wb", buffering=0) as f:
+            f.write(b"x")
+    except OSError as e:
+        if os.path.lexists(own) and e.errno == errno.ENOSPC:
+            return str(own)
+        if os.path.lexists(own):
+            os.unlink(own)
+    if stat.S_ISCHR(os.stat("/dev/full").st_mode if os.path.exists("/dev/full") else 0):
+        return "/dev/full"
+    pytest.skip("no full device here (/dev/full missing, and mknod refused)")

@@ -138,10 +138,10 @@ def test_an_interrupted_make_tiny_leaves_no_half_written_file(tmp_path: Path, mo
 
 # --- a route trace that cannot be written --------------------------------------------------------
 
-def test_a_route_trace_on_a_full_disk_is_one_line_naming_it(tiny, tmp_path: Path) -> None:
+def test_a_route_trace_on_a_full_disk_is_one_line_naming_it(tiny, full_device: str) -> None:
     proc = bmoe("run", "-m", str(tiny.path(TinySpec())), "-p", "hi", "-n", "3", "-c", "256",
-                "--route-trace", "/dev/full")
-    assert one_line(proc, 1) == "bmoe: error: cannot write the route trace /dev/full: No space left on device"
+                "--route-trace", full_device)
+    assert one_line(proc, 1) == f"bmoe: error: cannot write the route trace {full_device}: No space left on device"
     assert proc.stdout == "", "the header is written at open: the run stops before its first token"
 
 

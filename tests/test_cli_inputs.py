@@ -7,6 +7,7 @@ status of SIGPIPE (141)."""
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -45,20 +46,32 @@ def test_replay_budgets_must_be_finite(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("flag", ["--csv", "--route-trace"])
-def test_a_full_disk_under_an_output_is_one_line(tiny, flag: str) -> None:
+def test_a_full_disk_under_an_output_is_one_line(tiny, full_device: str, flag: str) -> None:
     line = one_line(bmoe("run", "-m", str(tiny.path(TinySpec())), "-p", "hi", "-n", "3", "-c", "256",
-                         flag, "/dev/full"), 1)
+                         flag, full_device), 1)
     assert "No space left on device" in line
 
 
-def test_make_tiny_and_demo_into_unwritable_places_are_one_line(tmp_path: Path) -> None:
-    assert "/dev/full" in one_line(bmoe("make-tiny", "/dev/full"), 1)
+def test_make_tiny_and_demo_into_unwritable_places_are_one_line(tmp_path: Path, full_device: str) -> None:
+    assert full_device in one_line(bmoe("make-tiny", full_device), 1)
     one_line(bmoe("make-tiny", str(tmp_path / "missing" / "m.gguf")), 1)
-    one_line(bmoe("demo", "--dir", "/dev/full"), 1)
+    one_line(bmoe("demo", "--dir", full_device), 1)
+    assert stat.S_ISCHR(os.stat(full_device).st_mode)
 
 
-def test_stdout_to_a_full_disk_is_one_line(tiny) -> None:
-    with open("/dev/full", "wb") as full:
+def test_whole_file_writers_never_remove_or_replace_a_device(tmp_path: Path, full_device: str) -> None:
+    """Run as root, ``make-tiny /dev/full`` removed the device node when its write failed (the
+    cleanup of a half-written model), and the next test's ``demo --dir /dev/full`` made a folder
+    in its place; synth's rename would have put a model where /dev/null was. A device is refused."""
+    for argv in (("make-tiny", full_device), ("make-tiny", full_device, "--force"),
+                 ("synth", "--like", "qwen3-30b-a3b", "--layers", "1", full_device)):
+        line = one_line(bmoe(*argv), 1)
+        assert "is a character device, not a file" in line, line
+        assert stat.S_ISCHR(os.stat(full_device).st_mode), argv
+
+
+def test_stdout_to_a_full_disk_is_one_line(tiny, full_device: str) -> None:
+    with open(full_device, "wb") as full:
         line = one_line(bmoe("run", "-m", str(tiny.path(TinySpec())), "-p", "hi", "-n", "8", "-c", "256",
                              stdout=full.fileno()), 1)
     assert "No space left on device" in line

@@ -4,6 +4,8 @@ from a profile gives the cold run's tokens (and the resident ones) while its cac
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +37,23 @@ def test_profile_round_trips(tmp_path: Path) -> None:
         path.write_text(bad)
         with pytest.raises(ConfigError):
             load_profile(path, n_layer=3, n_expert=8)
+
+
+def test_a_profile_to_a_device_is_written_in_place_never_renamed_over_it(full_device: str, tmp_path: Path) -> None:
+    """The profile goes through a temporary file renamed over its name: over a device that rename
+    would replace the device (run as root, /dev/null itself). A device is written where it is."""
+    with pytest.raises(ConfigError, match="No space left on device"):
+        save_profile(full_device, {0: np.zeros(8)}, model="m.gguf", n_layer=1, n_expert=8, tokens=1)
+    assert stat.S_ISCHR(os.stat(full_device).st_mode)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        save_profile(fifo, {0: np.zeros(8)}, model="m.gguf", n_layer=1, n_expert=8, tokens=1)
+        assert json.loads(os.read(reader, 1 << 16))["format"] == "bmoe-cache-profile"
+    finally:
+        os.close(reader)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
 
 
 def test_a_policy_seeded_from_its_own_usage_starts_warm() -> None:

@@ -12,6 +12,7 @@ from bmoe.cli.flags import _number, _tokens
 from bmoe.cli.generate import _generate, _summary
 from bmoe.engine.config import MiB, RunConfig
 from bmoe.errors import OutputPathError
+from bmoe.io.paths import remove_partial
 
 DEMO_PROMPT = "The quick brown fox jumps over the lazy dog. Streaming experts from disk:"
 
@@ -39,7 +40,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             _write_with_progress(tmp, spec)
             tmp.replace(model)
         except BaseException:  # a signal, a full disk: no half-written model is left behind
-            tmp.unlink(missing_ok=True)
+            remove_partial(tmp)
             raise
     print(f"demo model: {model} ({model.stat().st_size / MiB:.0f} MiB). Its weights are random, "
           "so the text is gibberish: what matters is that both runs print the same bytes.\n")
@@ -132,7 +133,7 @@ def _write_with_progress(out: Path, spec) -> list[Path]:  # noqa: ANN001
             from bmoe.synth.tiny import tiny_files
 
             for file in tiny_files(out, spec.shards):
-                file.unlink(missing_ok=True)
+                remove_partial(file)
             if isinstance(e, OSError) and e.filename is None:
                 e.filename = str(out)  # a failed write says where it was going
             raise

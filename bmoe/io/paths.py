@@ -75,11 +75,24 @@ def check_output_dir(path: PathLike, flag: str, inputs: Iterable[PathLike] = ())
     return out
 
 
+def _kind(mode: int) -> str | None:
+    """What a path that is not a regular file is, in a user's words (None for a regular file)."""
+    for test, name in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a pipe"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return None
+
+
 def check_new_file(path: PathLike, what: str, *, force: bool = False) -> Path:
     """A file a command writes whole (a model): refused when something is already there, unless
-    ``force``; a folder, always. Forced, the old name is unlinked first, so that a symbolic or hard
-    link to another file (a downloaded model) is replaced rather than written through. Character
-    devices (``/dev/null``) are written as they are."""
+    ``force``; a folder or a device, always. Forced, the old name is unlinked first, so that a
+    symbolic or hard link to another file (a downloaded model) is replaced rather than written
+    through.
+
+    A device is refused because a whole-file writer goes through a temporary file renamed over the
+    name and removes what it half wrote: run as root, ``make-tiny /dev/full`` removed the device
+    node itself (and a rename over ``/dev/null`` would replace it with a model)."""
     out = Path(path)
     try:
         st = os.lstat(out)
@@ -91,8 +104,12 @@ def check_new_file(path: PathLike, what: str, *, force: bool = False) -> Path:
         target_is_dir = out.is_dir()
         if target_is_dir:
             raise OutputPathError(f"{what} {out} is a folder, not a file")
-        if stat.S_ISCHR(os.stat(out).st_mode if out.exists() else st.st_mode):
-            return out
+        try:
+            kind = _kind(os.stat(out).st_mode)
+        except OSError:  # a dangling link: replaced like a file
+            kind = None
+        if kind is not None:
+            raise OutputPathError(f"{what} {out} is {kind}, not a file; a model is written to a file")
         if not force:
             kind = "a link to an existing file" if stat.S_ISLNK(st.st_mode) else "an existing file"
             raise OutputPathError(f"{what} {out} is {kind}; refusing to overwrite it (--force replaces it)")
@@ -122,3 +139,14 @@ def check_plot_output(path: PathLike, flag: str) -> Path:
         raise OutputPathError(f"{flag} {out}: matplotlib cannot write {kind or 'a file without an extension'!r}; "
                               f"use one of {', '.join(sorted(kinds))}")
     return out
+
+
+def remove_partial(path: PathLike) -> None:
+    """Remove a file this run half wrote: only ever a regular file or a link, never a device or a
+    folder that took its name meanwhile, and silently when it is already gone."""
+    try:
+        if _kind(os.lstat(path).st_mode) is None and not stat.S_ISDIR(os.lstat(path).st_mode):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+

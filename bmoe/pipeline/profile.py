@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from collections.abc import Mapping
 
 import numpy as np
@@ -41,6 +42,17 @@ def save_profile(path: str | os.PathLike[str], usage: Mapping[int, np.ndarray], 
         "layers": {str(il): [round(float(x), 5) for x in np.asarray(u)[:n_expert]] for il, u in sorted(usage.items())},
     }
     name = os.fspath(path)
+    try:
+        stream = not stat.S_ISREG(os.stat(name).st_mode)  # /dev/null, a pipe: written where it is
+    except OSError:
+        stream = False
+    if stream:  # a rename over it would replace the device (as root, /dev/null itself)
+        try:
+            with open(name, "w", encoding="utf-8") as f:
+                json.dump(doc, f, separators=(",", ":"))
+        except OSError as e:
+            raise ConfigError(f"{name}: cannot write the cache profile: {e.strerror or e}") from e
+        return
     tmp = f"{name}.tmp-{os.getpid()}"
     try:
         with open(tmp, "w", encoding="utf-8") as f:

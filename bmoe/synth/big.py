@@ -81,7 +81,7 @@ from gguf import (
 )
 
 from bmoe.errors import ConfigError
-from bmoe.io.paths import check_new_file
+from bmoe.io.paths import check_new_file, remove_partial
 from bmoe.synth.families import FAMILIES
 from bmoe.synth.shapes import (
     RESIDUAL_RMS,
@@ -916,10 +916,10 @@ def write_synth(path: str | os.PathLike, spec: SynthSpec,
             sink.write(bytes(-sink.size % GGUF_ALIGNMENT))
         os.replace(tmp, path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
+        remove_partial(tmp)
         raise ConfigError(f"cannot write {path}: {e.strerror or e}") from e
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        remove_partial(tmp)
         raise
     return path
 
