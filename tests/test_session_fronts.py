@@ -199,3 +199,46 @@ def test_every_llama_decode_runs_on_the_process_compute_thread(tiny, monkeypatch
     assert len(threads) > 3 * 5  # the warm-ups and the prompt and token decodes, all seen
     assert {ident for _, ident in threads} != {threading.get_ident()}
     assert len({ident for _, ident in threads}) == 1
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["cancel", "task"])
+async def test_a_turn_cancelled_inside_a_decode_call_leaves_the_context_before_it(tiny, how: str) -> None:
+    """Ctrl-C in chat (``cancel()``) or a client gone (the task cancelled) lands inside a decode
+    call: the context before that call still stands, so the next turn reuses it (it re-read the
+    whole conversation) and gives the tokens of a session that never saw the cancelled turn."""
+    path = tiny.path(TinySpec())
+    config = RunConfig(mode="stream", n_ctx=256, cache_bytes=0)  # every expert is read: the hook fires
+    armed, reads, hit = False, 0, asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def before_read(_request) -> bool:  # noqa: ANN001
+        nonlocal reads
+        if armed:
+            reads += 1
+            if reads == 5:  # inside the second turn's first decode call
+                if how == "cancel":
+                    session.cancel()
+                loop.call_soon_threadsafe(hit.set)
+        return True
+
+    async with Session.open(path, config, hooks=Hooks(before_read=before_read)) as session:
+        first = await session.generate(PROMPT, 4, stop_at_end=False)
+        turn = session.tokenize(PROMPT) + first.tokens
+        follow = turn + session.tokenize(" and then some more words of the next turn")
+        armed = True
+        if how == "cancel":
+            cut = await session.generate(follow, 8, stop_at_end=False)
+            assert cut.finish_reason == "cancelled" and cut.tokens == []
+        else:
+            task = asyncio.create_task(session.generate(follow, 8, stop_at_end=False))
+            await hit.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert reads >= 5
+        armed = False
+        again = await session.generate(follow, N_TOKENS, stop_at_end=False)
+    assert again.usage.prompt_reused >= len(turn) - 1, again.usage
+    async with Session.open(path, config) as fresh:
+        assert again.tokens == (await fresh.generate(follow, N_TOKENS, stop_at_end=False)).tokens

@@ -566,7 +566,17 @@ class Session:
             if self._recorder is not None:
                 self._recorder.begin_call(position)
             kv, self._kv = self._kv, None  # unknown while a decode may be half done
-            await self._decode(tokens, step, phase)
+            try:
+                await self._decode(tokens, step, phase)
+            except (DecodeAbortedError, asyncio.CancelledError) as e:
+                # Cancelled mid-call (Ctrl-C in chat, a client gone): llama.cpp wrote no cell
+                # below this call's first position, so the prefix before it still stands and the
+                # next turn reuses it (it clears what this call left past it). An abort for any
+                # other reason (a failed read) leaves the context unknown: cleared next.
+                cancelled = isinstance(e, asyncio.CancelledError) or self._cancel_requested
+                if cancelled and not self._closed and kv is not None:
+                    self._kv = kv
+                raise
             if kv is not None:
                 kv.extend(tokens)
                 self._kv = kv
