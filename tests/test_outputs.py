@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
+import stat
 from pathlib import Path
 
 import pytest
@@ -72,6 +74,25 @@ def test_output_folders_and_permissions_are_checked_first(tmp_path: Path) -> Non
     (tmp_path / "f").write_text("")
     with pytest.raises(OutputPathError, match="not a folder"):
         check_output_dir(tmp_path / "f", "--out")
+
+
+def test_a_disk_or_a_socket_is_never_an_output(tmp_path: Path) -> None:
+    """Run as root (CI is), ``--csv /dev/vda`` passed the writable check and would have written
+    over the disk's first blocks. A block device node of the test's own (never opened) and a
+    socket are refused by what they are."""
+    sock = socket.socket(socket.AF_UNIX)
+    try:
+        sock.bind(str(tmp_path / "s"))
+        with pytest.raises(OutputPathError, match="is a socket, not a file"):
+            check_output(tmp_path / "s", "--csv")
+    finally:
+        sock.close()
+    try:
+        os.mknod(tmp_path / "disk", 0o600 | stat.S_IFBLK, os.makedev(7, 0))
+    except OSError:
+        pytest.skip("mknod refused (not root): the socket case ran")
+    with pytest.raises(OutputPathError, match="--route-trace .* is a block device, not a file"):
+        check_output(tmp_path / "disk", "--route-trace")
 
 
 def test_a_split_name_with_an_absurd_shard_count_is_refused_without_building_paths() -> None:

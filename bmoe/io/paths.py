@@ -4,7 +4,7 @@ An output flag pointed at the model (``--csv model.gguf``) used to truncate the 
 run failed: the check compares device and inode (so a hard link or a symlink is caught too) and
 the resolved path (so a missing shard of the set is caught as well), and it runs before any file
 is opened for writing. The output's folder must exist and be writable, and the output must not be
-a folder; character devices (``/dev/stdout``, ``/dev/null``) are allowed.
+a folder or a disk; character devices (``/dev/stdout``, ``/dev/null``) and pipes are allowed.
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ def check_output(path: PathLike, flag: str, inputs: Iterable[PathLike] = ()) -> 
             raise OutputPathError(f"{flag} {out} is a folder, not a file")
         if stat.S_ISCHR(st.st_mode) or stat.S_ISFIFO(st.st_mode):
             return out
+        if stat.S_ISBLK(st.st_mode) or stat.S_ISSOCK(st.st_mode):  # a disk: as root, written over
+            raise OutputPathError(f"{flag} {out} is {_kind(st.st_mode)}, not a file")
         if not os.access(out, os.W_OK):
             raise OutputPathError(f"{flag} {out} is not writable")
         return out
