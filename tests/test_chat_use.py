@@ -10,14 +10,14 @@ import subprocess
 import sys
 
 import pytest
-from gguf import GGUFValueType, TokenType
+from gguf import GGUFValueType
 from gguf.gguf_writer import GGUFValue
 
 from bmoe.cli.chat import _fit
 from bmoe.engine.chat import ChatFormat, Message
 from bmoe.synth.tiny import TinySpec, write_tiny
 from tests.test_chat_tty import ENTERED, GUARD_S, PROMPT, spawn
-from tests.test_harmony import GPT_OSS_LIKE, HARMONY
+from tests.test_harmony import write_harmony_model
 from tests.test_thinking import QWEN3_LIKE
 
 DIM, UNDIM = "\x1b[2m", "\x1b[0m"
@@ -36,21 +36,7 @@ def qwen3(tmp_path_factory):  # noqa: ANN001, ANN201
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory):  # noqa: ANN001, ANN201
     """A tiny gpt-oss with the harmony markers in its vocabulary and a gpt-oss-shaped template."""
-    from bmoe.synth.vocab import byte_vocab
-
-    def edit(w) -> None:  # noqa: ANN001
-        vocab = byte_vocab()
-        tokens, types = list(vocab.tokens), list(vocab.types)
-        for i, marker in enumerate(HARMONY, start=len(tokens) - len(HARMONY)):
-            tokens[i], types[i] = marker, int(TokenType.CONTROL)
-        kv = w.kv_data[0]
-        kv["tokenizer.ggml.tokens"] = GGUFValue(tokens, GGUFValueType.ARRAY, GGUFValueType.STRING)
-        kv["tokenizer.ggml.token_type"] = GGUFValue(types, GGUFValueType.ARRAY, GGUFValueType.INT32)
-        kv["tokenizer.chat_template"] = GGUFValue(GPT_OSS_LIKE, GGUFValueType.STRING)
-
-    (path,) = write_tiny(tmp_path_factory.mktemp("gptoss") / "g.gguf", TinySpec(arch="gpt-oss", n_layer=2),
-                         edit_metadata=edit)
-    return path
+    return write_harmony_model(tmp_path_factory.mktemp("gptoss"))
 
 
 def grammar(tmp_path, rule: str):  # noqa: ANN001, ANN201

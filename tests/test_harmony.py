@@ -94,8 +94,7 @@ def test_the_model_or_its_template_chooses_the_splitter(tiny) -> None:  # noqa: 
             assert s.session.chat_format().channels is channels, arch
 
 
-@pytest.fixture(scope="module")
-def harmony_model(tmp_path_factory):  # noqa: ANN001, ANN201
+def write_harmony_model(folder):  # noqa: ANN001, ANN201
     """A tiny gpt-oss whose vocabulary holds the harmony markers as control tokens (the last
     normal pieces give up their slots) and whose template is gpt-oss-shaped."""
     from bmoe.synth.tiny import TinySpec, write_tiny
@@ -111,9 +110,13 @@ def harmony_model(tmp_path_factory):  # noqa: ANN001, ANN201
         kv["tokenizer.ggml.token_type"] = GGUFValue(types, GGUFValueType.ARRAY, GGUFValueType.INT32)
         kv["tokenizer.chat_template"] = GGUFValue(GPT_OSS_LIKE, GGUFValueType.STRING)
 
-    (path,) = write_tiny(tmp_path_factory.mktemp("harmony") / "g.gguf", TinySpec(arch="gpt-oss", n_layer=2),
-                         edit_metadata=edit)
+    (path,) = write_tiny(folder / "g.gguf", TinySpec(arch="gpt-oss", n_layer=2), edit_metadata=edit)
     return path
+
+
+@pytest.fixture(scope="module")
+def harmony_model(tmp_path_factory):  # noqa: ANN001, ANN201
+    return write_harmony_model(tmp_path_factory.mktemp("harmony"))
 
 
 def test_the_pinned_llama_cpp_renders_the_markers_and_ends_only_at_return_and_call(harmony_model) -> None:  # noqa: ANN001

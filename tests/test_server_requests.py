@@ -111,33 +111,44 @@ BAD_WHILE_BUSY = [
 ]
 
 
+class HeldReads:
+    """A ``before_read`` hook that, once ``on``, blocks every expert read until ``release`` is set;
+    ``entered`` is set when a read is blocked."""
+
+    def __init__(self) -> None:
+        self.release, self.entered, self.on = threading.Event(), threading.Event(), False
+
+    def __call__(self, _request) -> bool:  # noqa: ANN001
+        if self.on:
+            self.entered.set()
+            assert self.release.wait(GUARD_S)
+        return True
+
+    def free(self) -> None:
+        self.on = False
+        self.release.set()
+
+
 @contextlib.contextmanager
 def one_held_generation(tiny, **app_kw) -> Iterator[tuple[str, object, threading.Event, list]]:  # noqa: ANN001
     """A server with no waiting place whose only turn is held by a completion blocked in an expert
     read until the yielded event is set; yields (url, app, release, [the held request's response])."""
     path = tiny.path(TinySpec())
-    release, entered, hold = threading.Event(), threading.Event(), {"on": False}
+    held = HeldReads()
 
-    def before_read(_request) -> bool:  # noqa: ANN001
-        if hold["on"]:
-            entered.set()
-            assert release.wait(GUARD_S)
-        return True
-
-    with Session.open(path, CONFIG, hooks=Hooks(before_read=before_read)) as session:
+    with Session.open(path, CONFIG, hooks=Hooks(before_read=held)) as session:
         app = create_app(session, max_waiting=0, **app_kw)
         with running(app) as url:
-            hold["on"] = True
+            held.on = True
             done: list = []
             first = threading.Thread(target=lambda: done.append(
                 post(url, "/v1/completions", {"prompt": "Hold the line", "max_tokens": 3})))
             first.start()
-            assert entered.wait(GUARD_S)
+            assert held.entered.wait(GUARD_S)
             try:
-                yield url, app, release, done
+                yield url, app, held.release, done
             finally:
-                hold["on"] = False
-                release.set()
+                held.free()
                 first.join(GUARD_S)
 
 
@@ -297,19 +308,13 @@ def test_shutdown_ends_a_running_stream_properly_and_refuses_the_waiting(tiny) -
     """What SIGTERM does (``Server.handle_exit``), called in-process: the running stream ends at
     once with its last chunk and [DONE], the queued request gets a 503 in OpenAI's shape."""
     path = tiny.path(TinySpec())
-    release, entered, hold = threading.Event(), threading.Event(), {"on": False}
-
-    def before_read(_request) -> bool:  # noqa: ANN001
-        if hold["on"]:
-            entered.set()
-            assert release.wait(GUARD_S)
-        return True
+    held = HeldReads()
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(16)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    with Session.open(path, RunConfig(mode="stream", n_ctx=512, cache_bytes=0), hooks=Hooks(before_read=before_read)) \
+    with Session.open(path, RunConfig(mode="stream", n_ctx=512, cache_bytes=0), hooks=Hooks(before_read=held)) \
             as session, errors_logged() as seen:
         app = create_app(session, max_waiting=2)
         server = Server(uvicorn.Config(app, loop="uvloop", log_level="warning", lifespan="on",
@@ -327,21 +332,20 @@ def test_shutdown_ends_a_running_stream_properly_and_refuses_the_waiting(tiny) -
                     if line:
                         lines.append(line)
                     if len(lines) == 2:
-                        hold["on"] = True  # the generation runs: block it in its next expert read
+                        held.on = True  # the generation runs: block it in its next expert read
 
         streamer = threading.Thread(target=stream)
         waiter = threading.Thread(target=lambda: queued.append(
             post(url, "/v1/completions", {"prompt": "x", "max_tokens": 2})))
         try:
             streamer.start()
-            assert entered.wait(GUARD_S)
+            assert held.entered.wait(GUARD_S)
             waiter.start()
             until(lambda: metric(url, "bmoe_queue_depth") >= 1)
             server.handle_exit(signal.SIGTERM, None)
             until(lambda: app.state.bmoe.stopping)
         finally:
-            hold["on"] = False
-            release.set()
+            held.free()
         for t in (streamer, waiter, thread):
             t.join(GUARD_S)
         sock.close()

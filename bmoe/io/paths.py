@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from bmoe.errors import OutputPathError
@@ -27,6 +27,17 @@ def _identity(path: Path) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
+def _stat(out: Path, flag: str, how: Callable[[Path], os.stat_result]) -> os.stat_result | None:
+    """``how(out)`` (os.stat or os.lstat), None when nothing is there; any other failure is one
+    OutputPathError naming ``flag``."""
+    try:
+        return how(out)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise OutputPathError(f"{flag} {out}: {e.strerror}") from None
+
+
 def check_output(path: PathLike, flag: str, inputs: Iterable[PathLike] = ()) -> Path:
     """``path`` as given, once it is known to be writable and to be none of ``inputs``.
 
@@ -38,12 +49,7 @@ def check_output(path: PathLike, flag: str, inputs: Iterable[PathLike] = ()) -> 
     for p in ins:
         if real == p.resolve() or (ident is not None and ident == _identity(p)):
             raise OutputPathError(f"{flag} {out} is an input of this run ({p}); refusing to overwrite it")
-    try:
-        st = os.stat(out)
-    except FileNotFoundError:
-        st = None
-    except OSError as e:
-        raise OutputPathError(f"{flag} {out}: {e.strerror}") from None
+    st = _stat(out, flag, os.stat)
     if st is not None:
         if stat.S_ISDIR(st.st_mode):
             raise OutputPathError(f"{flag} {out} is a folder, not a file")
@@ -96,12 +102,7 @@ def check_new_file(path: PathLike, what: str, *, force: bool = False) -> Path:
     name and removes what it half wrote: run as root, ``make-tiny /dev/full`` removed the device
     node itself (and a rename over ``/dev/null`` would replace it with a model)."""
     out = Path(path)
-    try:
-        st = os.lstat(out)
-    except FileNotFoundError:
-        st = None
-    except OSError as e:
-        raise OutputPathError(f"{what} {out}: {e.strerror}") from None
+    st = _stat(out, what, os.lstat)
     if st is not None:
         target_is_dir = out.is_dir()
         if target_is_dir:
