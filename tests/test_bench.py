@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
+import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from bmoe.bench import harness
-from bmoe.bench.balloon import Balloon, GiB, MiB, plan_balloon
+from bmoe.bench.balloon import Balloon, GiB, MiB, has_cap_ipc_lock, plan_balloon
 from bmoe.errors import BudgetError, ConfigError
 from bmoe.synth.tiny import TinySpec, write_tiny
 
@@ -23,6 +24,15 @@ KEYS = ("device_read_mb_s", "stream_cache_off_read_mb_s", "resident_tok_s", "mma
         "mmap_norepack_tok_s", "stock_tok_s", "stream_auto_tok_s", "p3_auto_over_mmap", "device_read_fresh_mb_s",
         "device_read_end_mb_s")
 LOCK = 64 * MiB
+
+
+def may_lock(nbytes: int) -> bool:
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return has_cap_ipc_lock() or soft == resource.RLIM_INFINITY or soft >= nbytes
+
+
+needs_lock = pytest.mark.skipif(not may_lock(LOCK), reason=f"this process may not lock {LOCK >> 20} MiB "
+                                "(RLIMIT_MEMLOCK, no CAP_IPC_LOCK)")
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +93,7 @@ def wait_gone(pid: int, seconds: float = 10.0) -> bool:
     return gone(pid)
 
 
+@needs_lock
 def test_bench_json_and_files_under_a_ram_limit(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str], spy: list[int]) -> None:
     limit = limit_of(model)
@@ -153,6 +164,7 @@ def test_bench_json_and_files_under_a_ram_limit(model: Path, tmp_path: Path, mon
     assert len(spy) == 1 and wait_gone(spy[0])
 
 
+@needs_lock
 def test_balloon_released_when_the_harness_raises(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                   spy: list[int]) -> None:
     limit = limit_of(model)
@@ -228,6 +240,7 @@ def test_bad_options_are_config_errors(model: Path) -> None:
         harness.BenchOptions(model, io_threads=0).validate()
 
 
+@needs_lock
 def test_balloon_locks_and_releases() -> None:
     with Balloon(LOCK) as b:
         pid = b.pid
@@ -238,6 +251,7 @@ def test_balloon_locks_and_releases() -> None:
     assert wait_gone(pid)
 
 
+@needs_lock
 def test_balloon_dies_with_its_parent() -> None:
     code = ("import time; from bmoe.bench.balloon import Balloon; "
             f"b = Balloon({LOCK}).inflate(); print(b.pid, flush=True); time.sleep(60)")
@@ -252,16 +266,26 @@ def test_balloon_dies_with_its_parent() -> None:
     assert wait_gone(pid)
 
 
-def test_balloon_refusal_is_a_budget_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    if os.geteuid() == 0:
-        pytest.skip("root may lock past RLIMIT_MEMLOCK")
-    import resource
+def test_balloon_refusal_is_a_budget_error() -> None:
+    """In a child that may lock 8 MiB and lacks CAP_IPC_LOCK (as root, dropped from its bounding
+    set by util-linux's setpriv, since root may lock past the limit), locking 72 MiB is one
+    BudgetError."""
+    code = ("import sys; from bmoe.bench.balloon import Balloon\n"
+            "try:\n    Balloon(72 << 20).inflate()\n"
+            "except Exception as e:\n    print(type(e).__name__, e); sys.exit(3)\n")
+    argv = [sys.executable, "-c", code]
+    if has_cap_ipc_lock():
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("this process may lock past RLIMIT_MEMLOCK and setpriv (util-linux) is missing")
+        argv = [setpriv, "--bounding-set=-ipc_lock", "--inh-caps=-ipc_lock", *argv]
 
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    if soft == resource.RLIM_INFINITY:
-        pytest.skip("RLIMIT_MEMLOCK is unlimited here")
-    with pytest.raises(BudgetError, match="could not lock"):
-        Balloon(soft + 64 * MiB).inflate()
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (8 << 20, 8 << 20))
+
+    proc = subprocess.run(argv, preexec_fn=limited, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3 and proc.stdout.startswith("BudgetError") and "could not lock" in proc.stdout, \
+        (proc.returncode, proc.stdout, proc.stderr)
 
 
 def test_a_child_timed_out_after_its_measured_generation_keeps_it(model: Path, tmp_path: Path,
