@@ -133,6 +133,32 @@ def test_an_unclosed_sync_session_does_not_hang_exit(tiny) -> None:
     assert out.stdout.strip() == "2"
 
 
+def test_a_sync_close_that_raises_still_lets_the_interpreter_exit(tiny, tmp_path) -> None:  # noqa: ANN001
+    """A cache profile that cannot be saved makes close() raise: the loop thread still stops (it
+    kept the interpreter from exiting: the session was no longer on the list the exit hook closes)."""
+    code = textwrap.dedent(f"""
+        import os, shutil
+        os.environ["BMOE_ISOLATE"] = "0"
+        from bmoe.engine.config import RunConfig
+        from bmoe.engine.sync import SyncSession
+        from bmoe.errors import ConfigError
+        folder = {str(tmp_path / "gone")!r}
+        os.mkdir(folder)
+        s = SyncSession.open({str(tiny.path(TinySpec()))!r},
+                             RunConfig(mode="stream", n_ctx=256, cache_profile=folder + "/p.json"))
+        s.generate("hello", 2, stop_at_end=False)
+        shutil.rmtree(folder)
+        try:
+            s.close()
+        except ConfigError as e:
+            print("raised:", "cache profile" in str(e))
+    """)
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True,
+                         timeout=HANG_GUARD_S)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "raised: True"
+
+
 def test_a_second_loop_while_the_first_is_open_is_refused(tiny) -> None:
     s = Session.open(tiny.path(TinySpec()), CONFIG)
     first_loop = asyncio.new_event_loop()

@@ -137,3 +137,19 @@ def test_make_tiny_and_synth_never_overwrite_a_file_or_write_through_a_link(tmp_
     assert proc.returncode == 0, proc.stderr
     assert not sym.is_symlink() and digest(sym) != before
     assert digest(real) == before == digest(hard)
+
+
+def test_a_forced_command_that_is_refused_keeps_the_file_it_would_replace(tmp_path: Path) -> None:
+    """--force used to unlink the old file before the rest was checked: a bad spec, a disk too
+    small or a second shard's name then left the user with neither model."""
+    keep = tmp_path / "keep.gguf"
+    keep.write_bytes(b"the user's model")
+    proc = bmoe("synth", str(keep), "--like", "qwen3-30b-a3b", "--experts-used", "999", "--force")
+    assert proc.returncode == 1 and "experts used" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert keep.read_bytes() == b"the user's model"
+    shards = [tmp_path / f"s-0000{i}-of-00002.gguf" for i in (1, 2)]
+    shards[0].write_bytes(b"shard one")
+    shards[1].mkdir()  # the second name cannot be written: refused before the first is touched
+    proc = bmoe("make-tiny", str(tmp_path / "s.gguf"), "--shards", "2", "--force")
+    assert proc.returncode == 1 and "is a folder" in proc.stderr, proc.stderr
+    assert shards[0].read_bytes() == b"shard one"

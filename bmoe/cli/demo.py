@@ -36,10 +36,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if not model.exists():
         print(f"making the demo model once: {model}", file=sys.stderr)
         tmp = model.with_suffix(".partial.gguf")
+        _write_with_progress(tmp, spec)  # removes what it half wrote on a signal or a full disk
         try:
-            _write_with_progress(tmp, spec)
             tmp.replace(model)
-        except BaseException:  # a signal, a full disk: no half-written model is left behind
+        except BaseException:
             remove_partial(tmp)
             raise
     print(f"demo model: {model} ({model.stat().st_size / MiB:.0f} MiB). Its weights are random, "
@@ -100,15 +100,18 @@ def _tiny_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_make_tiny(args: argparse.Namespace) -> int:
-    from bmoe.io.paths import check_new_file
+    from bmoe.io.paths import check_new_file, make_room
     from bmoe.synth.tiny import TinySpec, tiny_files
 
     spec = TinySpec(arch=args.arch, wtype=args.wtype, n_layer=args.layers, n_embd=args.embd,
                     n_expert=args.experts, n_expert_used=args.used, n_ff=args.ff, seed=args.seed,
                     shards=args.shards, n_nextn=args.mtp)
     spec.validate()  # a bad spec is one line, before any progress bar
-    for file in tiny_files(args.out, args.shards):
+    files = tiny_files(args.out, args.shards)
+    for file in files:  # every name checked before any is replaced
         check_new_file(file, "make-tiny", force=args.force)
+    for file in files:
+        make_room(file, "make-tiny")
     paths = _write_with_progress(args.out, spec)
     print(paths[0])
     return 0

@@ -177,9 +177,11 @@ class SyncSession:
         if self._portal_cm is None:
             return
         _unclosed.discard(self)
-        self._portal.call(lambda: _call_async(self.session.close))
-        cm, self._portal_cm = self._portal_cm, None
-        cm.__exit__(None, None, None)
+        try:
+            self._portal.call(lambda: _call_async(self.session.close))
+        finally:  # a close that raised (a profile that cannot be saved) still stops the loop thread
+            cm, self._portal_cm = self._portal_cm, None
+            cm.__exit__(None, None, None)
 
     def __del__(self) -> None:
         if getattr(self, "_portal_cm", None) is None or sys.is_finalizing():

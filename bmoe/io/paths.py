@@ -94,9 +94,9 @@ def _kind(mode: int) -> str | None:
 
 def check_new_file(path: PathLike, what: str, *, force: bool = False) -> Path:
     """A file a command writes whole (a model): refused when something is already there, unless
-    ``force``; a folder or a device, always. Forced, the old name is unlinked first, so that a
-    symbolic or hard link to another file (a downloaded model) is replaced rather than written
-    through.
+    ``force``; a folder or a device, always. Nothing is changed here: a forced name is replaced by
+    ``make_room`` once everything else about the command has been checked (a refused command
+    must not have destroyed the file it would have replaced).
 
     A device is refused because a whole-file writer goes through a temporary file renamed over the
     name and removes what it half wrote: run as root, ``make-tiny /dev/full`` removed the device
@@ -104,8 +104,7 @@ def check_new_file(path: PathLike, what: str, *, force: bool = False) -> Path:
     out = Path(path)
     st = _stat(out, what, os.lstat)
     if st is not None:
-        target_is_dir = out.is_dir()
-        if target_is_dir:
+        if out.is_dir():
             raise OutputPathError(f"{what} {out} is a folder, not a file")
         try:
             kind = _kind(os.stat(out).st_mode)
@@ -116,16 +115,34 @@ def check_new_file(path: PathLike, what: str, *, force: bool = False) -> Path:
         if not force:
             kind = "a link to an existing file" if stat.S_ISLNK(st.st_mode) else "an existing file"
             raise OutputPathError(f"{what} {out} is {kind}; refusing to overwrite it (--force replaces it)")
-        try:
-            os.unlink(out)
-        except OSError as e:
-            raise OutputPathError(f"{what} {out}: cannot replace it: {e.strerror}") from None
-    folder = out.resolve().parent
+    folder = Path(os.path.abspath(out)).parent  # where the name lives, not where a link points
     if not folder.is_dir():
         raise OutputPathError(f"{what} {out}: folder {folder} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise OutputPathError(f"{what} {out}: folder {folder} is not writable")
     return out
+
+
+def reclaimable_bytes(path: PathLike) -> int:
+    """What ``make_room`` frees at ``path``: a regular file's size (a link frees nothing)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return 0
+    return st.st_size if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 else 0
+
+
+def make_room(path: PathLike, what: str) -> None:
+    """Unlink the name a forced ``check_new_file`` let through, right before the write, so that a
+    symbolic or hard link to another file (a downloaded model) is replaced rather than written
+    through. Only ever a regular file or a link."""
+    try:
+        if _kind(os.lstat(path).st_mode) is None and not os.path.isdir(path):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise OutputPathError(f"{what} {path}: cannot replace it: {e.strerror}") from None
 
 
 def check_plot_output(path: PathLike, flag: str) -> Path:

@@ -81,7 +81,7 @@ from gguf import (
 )
 
 from bmoe.errors import ConfigError
-from bmoe.io.paths import check_new_file, remove_partial
+from bmoe.io.paths import check_new_file, make_room, reclaimable_bytes, remove_partial
 from bmoe.synth.families import FAMILIES
 from bmoe.synth.shapes import (
     RESIDUAL_RMS,
@@ -924,12 +924,13 @@ def write_synth(path: str | os.PathLike, spec: SynthSpec,
     return path
 
 
-def check_destination(path: Path, nbytes: int) -> None:
-    """A clear error before writing, not an OSError half-way through tens of GB."""
+def check_destination(path: Path, nbytes: int, reclaimed: int = 0) -> None:
+    """A clear error before writing, not an OSError half-way through tens of GB. ``reclaimed``:
+    bytes a replaced file frees before the write."""
     folder = path.parent
     if not folder.is_dir():
         raise ConfigError(f"cannot write {path}: {folder} is not a directory")
-    free = shutil.disk_usage(folder).free
+    free = shutil.disk_usage(folder).free + reclaimed
     if free < nbytes + (64 << 20):
         raise ConfigError(f"cannot write {path}: it needs {nbytes / 2**30:.2f} GiB, "
                           f"{free / 2**30:.2f} GiB are free there")
@@ -998,7 +999,8 @@ def _cmd_synth(args: argparse.Namespace) -> int:
     spec = SynthSpec(like=args.like, n_layer=args.layers, wtype=args.wtype, seed=args.seed,
                      skew=skew, n_expert_used=args.experts_used, route_drift=args.route_drift)
     check_new_file(args.out, "synth", force=args.force)
-    check_destination(args.out, total_bytes(spec))
+    check_destination(args.out, total_bytes(spec), reclaimable_bytes(args.out))
+    make_room(args.out, "synth")  # everything checked: only now is a --force'd file replaced
     print(describe(spec), file=sys.stderr)
     from tqdm import tqdm
 
