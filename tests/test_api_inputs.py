@@ -45,6 +45,10 @@ def test_token_ids_outside_the_vocabulary_are_refused(session) -> None:
     with pytest.raises(ConfigError, match="list of token ids"):
         s.detokenize("abc")
     assert s.detokenize(np.array(s.tokenize("hello"), dtype=np.int64).tolist()) == s.detokenize(s.tokenize("hello"))
+    assert s.detokenize(np.array(s.tokenize("hello"), dtype=np.int32)) == s.detokenize(s.tokenize("hello"))
+    for bad in (np.array([1.0, 2.0]), np.zeros((2, 2), dtype=np.int32), np.array([n], dtype=np.int64)):
+        with pytest.raises(ConfigError, match="integer|list of token ids|outside the vocabulary"):
+            s.detokenize(bad)
     assert s.token_bytes(np.int32(s.tokenize("hello")[0])) == s.token_bytes(s.tokenize("hello")[0])
 
 
@@ -64,6 +68,22 @@ def _stream(sync: SyncSession, prompt, max_tokens: int, **kwargs) -> list:
     async def run() -> list:
         return [p async for p in sync.session.stream(prompt, max_tokens, **kwargs)]
     return sync._portal.call(run)
+
+
+def test_completion_requests_name_the_parameter_that_holds_a_lone_surrogate(session) -> None:
+    from bmoe.engine.completions import prepare_chat_completion, prepare_completion
+    from bmoe.engine.sampling import ParamError
+
+    s = session.session
+    with pytest.raises(ParamError, match="not valid Unicode") as info:
+        prepare_chat_completion(s, [{"role": "user", "content": "a\ud800"}])
+    assert info.value.param == "messages"
+    with pytest.raises(ParamError, match="not valid Unicode") as info:
+        prepare_completion(s, "a\ud800")
+    assert info.value.param == "prompt"
+    with pytest.raises(ParamError, match="outside the vocabulary") as info:
+        prepare_completion(s, [s.n_vocab])
+    assert info.value.param == "prompt"
 
 
 def test_text_that_utf8_cannot_encode_and_wrong_types(session) -> None:

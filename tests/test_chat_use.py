@@ -198,8 +198,8 @@ def test_piped_lines_are_echoed_after_their_prompt(qwen3) -> None:
 def test_the_banner_says_what_runs_and_quiet_hides_the_warnings(qwen3) -> None:
     proc = chat_piped(qwen3, "", "-c", "100")
     assert "bmoe: warning: the context holds 256 tokens" in proc.stderr
-    assert ("bmoe chat: q.gguf (qwen3moe), streamed, cache off, context 256 tokens, replies up to 256 tokens (-n)"
-            in proc.stderr), proc.stderr
+    assert ("bmoe chat: q.gguf (qwen3moe), streamed, cache off, context 256 tokens, replies up to 128 tokens (-n)"
+            in proc.stderr), proc.stderr  # the default reply length leaves half of a small context
     assert "the model's own chat template; thinking on (/think)" in proc.stderr and "/help lists" in proc.stderr
     proc = chat_piped(qwen3, "", "-c", "100", "-q")
     assert proc.stderr == "> \n", "-q: no banner and no warnings"
@@ -234,3 +234,11 @@ def test_an_outgrown_context_drops_whole_turns(capsys) -> None:  # noqa: ANN001
     history = [*turn, Message("user", "x" * 60)]
     _fit(_Tokens(n_ctx=100), fmt, history, 10)
     assert [m.role for m in history] == ["user"] and "the oldest turn was dropped" in capsys.readouterr().err
+
+
+def test_a_reply_length_that_fills_the_context_is_refused_at_start(qwen3) -> None:
+    """-n at or past -c left no room for any message: every line was refused, then status 0."""
+    proc = subprocess.run([sys.executable, "-m", "bmoe.cli", "chat", "-m", str(qwen3), "-c", "256", "-n", "1000"],
+                          input="hello\nworld\n", capture_output=True, text=True, timeout=GUARD_S)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        "bmoe: error: -n 1000 leaves no room in the context (256 tokens) for a message: lower -n or raise -c"], proc.stderr

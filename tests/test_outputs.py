@@ -153,3 +153,14 @@ def test_a_forced_command_that_is_refused_keeps_the_file_it_would_replace(tmp_pa
     proc = bmoe("make-tiny", str(tmp_path / "s.gguf"), "--shards", "2", "--force")
     assert proc.returncode == 1 and "is a folder" in proc.stderr, proc.stderr
     assert shards[0].read_bytes() == b"shard one"
+
+
+def test_streams_may_take_two_outputs_or_share_a_terminal_with_an_input(tiny, tmp_path: Path) -> None:
+    """``--csv /dev/null --route-trace /dev/null`` was refused as 'the same file', and so was
+    ``-f /dev/stdin --csv /dev/stdout`` on one terminal: a stream holds no file to overwrite."""
+    model = str(tiny.path(TinySpec()))
+    proc = bmoe("run", "-m", model, "-p", "hi", "-n", "2", "-c", "256", "--csv", "/dev/null", "--route-trace", "/dev/null")
+    assert proc.returncode == 0, proc.stderr
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert check_output(fifo, "--csv", [fifo]) == fifo  # a pipe named as input too: nothing to destroy

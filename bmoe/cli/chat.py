@@ -28,12 +28,15 @@ from bmoe.cli.generate import _summary
 from bmoe.engine.config import RunConfig
 from bmoe.errors import ConfigError
 
+DEFAULT_REPLY_TOKENS = 256
+
 
 def _chat_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="interactive multi-turn chat; the expert cache stays warm",
                        formatter_class=_Help)
     _model_flag(p)
-    p.add_argument("-n", "--n-predict", type=_tokens, default=256, help="most tokens per reply")
+    p.add_argument("-n", "--n-predict", type=_tokens, default=None,
+                   help=f"most tokens per reply (default {DEFAULT_REPLY_TOKENS}, or half the context if that is smaller)")
     p.add_argument("--system", default=None, help="system message")
     p.add_argument("--no-think", action="store_true",
                    help="ask a thinking model to answer without reasoning first (enable_thinking=false)")
@@ -67,7 +70,7 @@ keys: up and down recall earlier lines; Esc then Enter (or Alt-Enter) starts a n
 Ctrl-C stops a reply and keeps the conversation; at the prompt it clears the line."""
 
 
-async def _chat(model: Path, config: RunConfig, system: str | None, n: int, *, sampling=None,  # noqa: ANN001
+async def _chat(model: Path, config: RunConfig, system: str | None, n: int | None, *, sampling=None,  # noqa: ANN001
                 stop: list[str] | None = None, quiet: bool = False, think: bool = True) -> None:
     """The interactive chat. Line editing and history (prompt_toolkit) when standard input is a
     terminal, plain lines otherwise; prompts go to stderr when standard output is not a terminal,
@@ -76,6 +79,11 @@ async def _chat(model: Path, config: RunConfig, system: str | None, n: int, *, s
     from bmoe.engine.session import Session
 
     with Session.open(model, config) as session:
+        if n is None:  # a small -c still leaves room for the conversation
+            n = min(DEFAULT_REPLY_TOKENS, session.n_ctx // 2)
+        elif n >= session.n_ctx:  # every message would be refused, one by one
+            raise ConfigError(f"-n {n} leaves no room in the context ({session.n_ctx} tokens) for a message: "
+                              "lower -n or raise -c")
         for warning in () if quiet else session.warnings:
             print(f"bmoe: warning: {warning}", file=sys.stderr)
         fmt = session.chat_format()

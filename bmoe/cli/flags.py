@@ -296,7 +296,7 @@ def _check_outputs(args: argparse.Namespace, inputs: tuple[Path, ...], *flags: s
     """Refuse, before anything is opened, any output flag that names an input (the model, or a
     prompt, grammar or schema file) or another output, or cannot be written: one file written by
     two flags keeps only the last one's bytes."""
-    from bmoe.io.paths import check_output
+    from bmoe.io.paths import check_output, is_stream
 
     inputs = (*inputs, *_input_files(args))
     seen: list[tuple[str, Path]] = []
@@ -305,6 +305,8 @@ def _check_outputs(args: argparse.Namespace, inputs: tuple[Path, ...], *flags: s
         if value is None:
             continue
         out = check_output(value, flag, inputs)
+        if is_stream(out):  # /dev/null for two outputs, /dev/stdout and /dev/stderr on one terminal
+            continue
         for other_flag, other in seen:
             if out.resolve() == other.resolve() or _same_file(out, other):
                 raise OutputPathError(f"{flag} and {other_flag} name the same file ({out}); give each its own")

@@ -28,6 +28,7 @@ from typing import Any
 
 from bmoe.engine.chat import Message
 from bmoe.engine.sampling import ParamError, SamplingParams, TokenLogprob
+from bmoe.engine.seam import check_token_ids
 from bmoe.engine.stops import StopStrings
 from bmoe.errors import ConfigError
 
@@ -193,10 +194,15 @@ def _common(session: Session, *, stream: Any, stop: Any, n: Any, model: Any) -> 
 
 
 def _tokenize(session: Session, text: str, param: str, special: bool = False) -> list[int]:
+    """The text's tokens; a refusal names ``param`` (``Session.tokenize``'s own error would name
+    neither it nor, for a chat, a place in the user's text rather than in the rendered template)."""
     try:
-        return session.tokenize(text, special=special)
+        text.encode("utf-8")
     except UnicodeEncodeError:
         raise ParamError(f"{param}: the text is not valid Unicode (a lone surrogate)", param) from None
+    except AttributeError:
+        raise ParamError(f"{param}: text expected, got {type(text).__name__}", param) from None
+    return session.tokenize(text, special=special)
 
 
 def _prompt_tokens(session: Session, prompt: Any) -> list[int]:
@@ -208,23 +214,15 @@ def _prompt_tokens(session: Session, prompt: Any) -> list[int]:
     if isinstance(prompt, str):
         tokens = _tokenize(session, prompt, "prompt")
     elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        tokens = list(prompt)
-        n_vocab = session.n_vocab
-        bad = [t for t in tokens if not 0 <= t < n_vocab]
-        if bad:
-            raise ParamError(f"token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})", "prompt")
+        try:
+            tokens = check_token_ids(prompt, session.n_vocab, "prompt")
+        except ConfigError as exc:
+            raise ParamError(str(exc), "prompt") from None
     else:
         raise ParamError("a prompt is text or a list of token ids", "prompt")
     if not tokens:
         raise ParamError("the prompt tokenizes to nothing", "prompt")
     return tokens
-
-
-def _vocab_bias(session: Session, params: SamplingParams) -> None:
-    n_vocab = session.n_vocab
-    bad = [t for t, _ in params.logit_bias if t >= n_vocab]
-    if bad:
-        raise ParamError(f"logit_bias: token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})", "logit_bias")
 
 
 def prepare_completion(
@@ -241,7 +239,7 @@ def prepare_completion(
     _one("suffix", suffix, lambda v: v is None or v == "", "is not supported")
     _one("best_of", best_of, lambda v: v is None or (v == 1 and not isinstance(v, bool)), "must be 1")
     params = sampling_from(logprobs=logprobs, **sampling)
-    _vocab_bias(session, params)
+    params.check_vocab(session.n_vocab)
     tokens = _prompt_tokens(session, prompt)
     limit = _max_tokens(max_tokens, 16, session, len(tokens), "prompt")
     return Prepared("text_completion", tuple(tokens), limit, params, stops, stream, name, logprobs is not None)
@@ -277,7 +275,7 @@ def prepare_chat_completion(
     _tools(tools, tool_choice, functions, function_call)
     params = sampling_from(logprobs=(top_logprobs or 0) if logprobs else None, logprobs_param="top_logprobs",
                            **sampling)
-    _vocab_bias(session, params)
+    params.check_vocab(session.n_vocab)
     fmt = session.chat_format()
     prompt = fmt.render(messages_from(messages), chat_template_kwargs)
     tokens = _tokenize(session, prompt, "messages", special=True)

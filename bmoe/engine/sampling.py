@@ -121,6 +121,14 @@ class SamplingParams:
                 raise ParamError(f"logit_bias entries are a token id >= 0 and a bias in [-100, 100], got {pair!r}",
                                  "logit_bias")
 
+    def check_vocab(self, n_vocab: int) -> None:
+        """Token ids in ``logit_bias`` must be in the model's vocabulary (llama.cpp indexes by them):
+        known only once a model is open, so not part of ``__post_init__``."""
+        bad = [t for t, _ in self.logit_bias if t >= n_vocab]
+        if bad:
+            raise ParamError(f"logit_bias: token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})",
+                             "logit_bias")
+
     @property
     def greedy(self) -> bool:
         """Plain argmax: no temperature, no penalty, no bias, no constraint (bmoe's own path)."""
@@ -207,10 +215,7 @@ class Sampler:
             self._chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
             add = lambda s: lib.llama_sampler_chain_add(self._chain, s)  # noqa: E731
             if params.logit_bias:
-                bad = [t for t, _ in params.logit_bias if t >= n_vocab]
-                if bad:
-                    raise ParamError(f"logit_bias: token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})",
-                                     "logit_bias")
+                params.check_vocab(n_vocab)
                 pairs = (lib.llama_logit_bias * len(params.logit_bias))(*params.logit_bias)
                 add(lib.llama_sampler_init_logit_bias(n_vocab, len(pairs), pairs))
             if params.repeat_penalty != 1 or params.presence_penalty or params.frequency_penalty:

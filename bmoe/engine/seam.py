@@ -15,7 +15,7 @@ import os
 import sys
 import tempfile
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import cache
 from typing import Any, Protocol
@@ -25,7 +25,7 @@ import numpy as np
 from bmoe.engine import node_filter as node_filter_module
 from bmoe.engine.callback import EvalCallback
 from bmoe.engine.node_filter import NodeFilter, node_filter
-from bmoe.errors import DecodeAbortedError, LlamaCallError
+from bmoe.errors import ConfigError, DecodeAbortedError, LlamaCallError
 
 
 class OwnedModel(Protocol):
@@ -263,3 +263,19 @@ class LlamaModel:
         elif self.model:
             self._lib.llama_model_free(self.model)
         self.model = None
+
+
+def check_token_ids(tokens: object, n_vocab: int, what: str) -> list[int]:
+    """Token ids as llama.cpp may take them (a list, a tuple or a 1-D numpy array of integers):
+    one outside the vocabulary aborts the process there."""
+    if isinstance(tokens, np.ndarray) and tokens.ndim == 1:
+        tokens = tokens.tolist()  # numpy integers become ints; floats stay floats, refused below
+    if isinstance(tokens, (str, bytes, bytearray, memoryview)) or not isinstance(tokens, Sequence):
+        raise ConfigError(f"{what} must be a list of token ids, got {type(tokens).__name__}")
+    ids = list(tokens)
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise ConfigError(f"{what}: a token id is an integer, got {t!r}")
+        if not 0 <= t < n_vocab:
+            raise ConfigError(f"{what}: token id {t} is outside the vocabulary (0..{n_vocab - 1})")
+    return [int(t) for t in ids]

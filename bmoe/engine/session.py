@@ -38,7 +38,7 @@ from bmoe.engine.sampling import (
     TokenLogprob,
     logprobs_of,
 )
-from bmoe.engine.seam import LlamaModel
+from bmoe.engine.seam import LlamaModel, check_token_ids
 from bmoe.engine.stops import StopStrings
 from bmoe.engine.streaming import Streamer, StreamParts
 from bmoe.errors import (
@@ -273,13 +273,13 @@ class Session:
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         model = self._live()
-        ids = _check_ids(tokens, model.n_vocab, "tokens")
+        ids = check_token_ids(tokens, model.n_vocab, "tokens")
         return b"".join(model.piece(t) for t in ids).decode("utf-8", errors="replace")
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes a token stands for (a piece of a UTF-8 character, for byte tokens)."""
         model = self._live()
-        return model.piece(_check_ids([token], model.n_vocab, "token")[0])
+        return model.piece(check_token_ids([token], model.n_vocab, "token")[0])
 
     @property
     def model_name(self) -> str:
@@ -357,7 +357,7 @@ class Session:
         _check_flag(stop_at_end, "stop_at_end")
         tokens = self._prompt_tokens(prompt, _check_flag(special, "special"))
         if forced is not None:
-            forced = _check_ids(forced, self._model.n_vocab, "forced")
+            forced = check_token_ids(forced, self._model.n_vocab, "forced")
             if len(forced) < max_tokens:
                 raise ConfigError(f"forced holds {len(forced)} tokens, fewer than max_tokens ({max_tokens})")
         if len(tokens) + max_tokens > self._model.n_ctx:
@@ -497,7 +497,7 @@ class Session:
         elif isinstance(prompt, (bytes, bytearray, memoryview)):
             raise ConfigError("a prompt is text or a list of token ids, not bytes: decode the bytes to text first")
         elif isinstance(prompt, Sequence):
-            tokens = _check_ids(prompt, self._model.n_vocab, "a prompt of token ids")
+            tokens = check_token_ids(prompt, self._model.n_vocab, "a prompt of token ids")
         else:
             raise ConfigError(f"a prompt is text or a list of token ids, got {type(prompt).__name__}")
         if not tokens:
@@ -734,19 +734,6 @@ def _check_flag(value: object, what: str) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{what} must be True or False, got {value!r}")
     return value
-
-
-def _check_ids(tokens: object, n_vocab: int, what: str) -> list[int]:
-    """Token ids as llama.cpp may take them: one outside the vocabulary aborts the process there."""
-    if isinstance(tokens, (str, bytes, bytearray, memoryview)) or not isinstance(tokens, Sequence):
-        raise ConfigError(f"{what} must be a list of token ids, got {type(tokens).__name__}")
-    ids = list(tokens)
-    for t in ids:
-        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-            raise ConfigError(f"{what}: a token id is an integer, got {t!r}")
-        if not 0 <= t < n_vocab:
-            raise ConfigError(f"{what}: token id {t} is outside the vocabulary (0..{n_vocab - 1})")
-    return [int(t) for t in ids]
 
 
 def _tokenize(model: LlamaModel, text: str, special: bool, what: str = "the text") -> list[int]:

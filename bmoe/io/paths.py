@@ -38,11 +38,23 @@ def _stat(out: Path, flag: str, how: Callable[[Path], os.stat_result]) -> os.sta
         raise OutputPathError(f"{flag} {out}: {e.strerror}") from None
 
 
+def is_stream(path: PathLike) -> bool:
+    """A character device (``/dev/null``, ``/dev/stdout``, a terminal) or a pipe: written as a
+    stream, it holds no file to overwrite, so two outputs or an input may share it."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)
+
+
 def check_output(path: PathLike, flag: str, inputs: Iterable[PathLike] = ()) -> Path:
     """``path`` as given, once it is known to be writable and to be none of ``inputs``.
 
     Raises ``OutputPathError`` naming ``flag`` and the reason in one line."""
     out = Path(path)
+    if is_stream(out):  # nothing there to overwrite (``-f /dev/stdin --csv /dev/stdout`` on one terminal)
+        return out
     ins = [Path(p) for p in inputs]
     ident = _identity(out)
     real = out.resolve()
@@ -53,8 +65,6 @@ def check_output(path: PathLike, flag: str, inputs: Iterable[PathLike] = ()) -> 
     if st is not None:
         if stat.S_ISDIR(st.st_mode):
             raise OutputPathError(f"{flag} {out} is a folder, not a file")
-        if stat.S_ISCHR(st.st_mode) or stat.S_ISFIFO(st.st_mode):
-            return out
         if stat.S_ISBLK(st.st_mode) or stat.S_ISSOCK(st.st_mode):  # a disk: as root, written over
             raise OutputPathError(f"{flag} {out} is {_kind(st.st_mode)}, not a file")
         if not os.access(out, os.W_OK):

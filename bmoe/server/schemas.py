@@ -35,10 +35,6 @@ class _Sampling(BaseModel):
     response_format: dict[str, Any] | None = None
     logit_bias: dict[str, Any] | None = None
 
-    @property
-    def streaming(self) -> bool:
-        return bool(self.stream)
-
     def engine_kwargs(self) -> dict[str, Any]:
         """Arguments for ``bmoe.engine.completions.prepare_*`` (None left out: the engine's
         default). ``model`` is the server's to fill: a reply names the model it came from."""
