@@ -367,3 +367,47 @@ def test_the_python_api_refuses_the_same_things(tiny) -> None:
         with pytest.raises(ParamError, match="tools"):
             s.create_chat_completion(CHAT, tools=[{"type": "function"}])
         assert s.create_completion(["x"], max_tokens=2, seed=-1, temperature=0.5)["usage"]["completion_tokens"] == 2
+
+
+def test_the_shutdown_waits_for_a_request_still_being_tokenized_before_freeing_the_model(tiny, monkeypatch) -> None:  # noqa: ANN001
+    """Requests are tokenized on worker threads. Past uvicorn's graceful timeout the request's
+    task is cancelled, but its thread goes on in llama_tokenize: the model a server opened was
+    freed under it. The shutdown now waits for those threads first."""
+    import bmoe.server.app as app_module
+
+    release, entered = threading.Event(), threading.Event()
+    real = app_module.prepare_completion
+
+    def slow(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        entered.set()
+        assert release.wait(GUARD_S)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(app_module, "prepare_completion", slow)
+    app = create_app(model=tiny.path(TinySpec()), config=CONFIG)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = Server(uvicorn.Config(app, loop="uvloop", log_level="critical", lifespan="on",
+                                   timeout_graceful_shutdown=0.2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    until(lambda: server.started or not thread.is_alive())
+    def ask() -> None:
+        with contextlib.suppress(httpx.HTTPError):  # cut off by the shutdown: what it gets is not the point
+            httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=GUARD_S)
+
+    asker = threading.Thread(target=ask, daemon=True)
+    asker.start()
+    try:
+        assert entered.wait(GUARD_S)
+        state = app.state.bmoe
+        server.should_exit = True  # the graceful wait runs out; the lifespan's shutdown begins
+        until(lambda: state.stopping or state.session.closed)  # the lifespan's shutdown has begun
+        assert state.session is not None and not state.session.closed, "freed under a tokenizing thread"
+    finally:
+        release.set()
+        thread.join(GUARD_S)
+        sock.close()
+    assert not thread.is_alive() and state.session.closed

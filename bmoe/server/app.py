@@ -14,12 +14,14 @@ MoE layer and the next request runs normally.
 At shutdown (``_Server.request_shutdown``, called by ``bmoe.server.run``'s signal handling) the
 running generation is cancelled at once and ends like any other (a stream with its last chunk and
 ``data: [DONE]``), and requests still waiting get 503: uvicorn's graceful wait then has nothing to
-wait for.
+wait for. Requests still being checked and tokenized (on the server's own two worker threads) are
+waited for before the model they use is freed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import json
 import logging
@@ -57,6 +59,7 @@ log = logging.getLogger("bmoe.server")
 MAX_BODY_BYTES = 4 << 20
 MAX_DEPTH = 100  # JSON nesting: deeper than any real request, far below Python's recursion limit
 RETRY_AFTER_S = 2
+PREPARE_THREADS = 2  # requests checked and tokenized at once
 CONTEXT_FIX = "start the server with a larger -c/--ctx"
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -147,6 +150,10 @@ class _Server:
         self.stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._owns = session is None
+        # Requests are checked and tokenized here, off the loop: two at a time at most (a flood of
+        # 4 MiB prompts queues here rather than taking every core), and the shutdown waits for
+        # them before the model they tokenize with is freed.
+        self._preparing = concurrent.futures.ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="bmoe-prepare")
 
     def open(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -185,7 +192,24 @@ class _Server:
         except ConfigError as exc:
             raise _BadRequest.of(exc) from None
 
-    def close(self) -> None:
+    async def prepared(self, route: str, request: ChatRequest | CompletionRequest) -> Prepared:
+        """``prepare`` on a worker thread (a long prompt does not stall the stream of the
+        generation running meanwhile). Raises _BadRequest, or SessionClosedError once the server
+        is stopping."""
+        if self.stopping:
+            raise SessionClosedError("the server is shutting down")
+        try:
+            work = self._preparing.submit(self.prepare, route, request)
+        except RuntimeError:  # the pool is shut down: the server is closing
+            raise SessionClosedError("the server is shutting down") from None
+        # A client gone mid-way cancels this wait, never the thread: the shutdown waits for it.
+        return await asyncio.wrap_future(work)
+
+    async def close(self) -> None:
+        """Wait for the requests still being tokenized (they use the model), then free the model
+        if the server opened it (on this loop, the session's)."""
+        self.stopping = True
+        await asyncio.to_thread(self._preparing.shutdown, wait=True)
         if self._owns and self.session is not None:
             self.session.close()
 
@@ -329,7 +353,7 @@ def create_app(
     async def generation(request: Request, route: str, schema: type) -> Response:
         req = await parse(request, schema)
         try:
-            prepared = await asyncio.to_thread(server.prepare, route, req)
+            prepared = await server.prepared(route, req)
         except SessionClosedError as exc:
             server.metrics.requests.labels("unavailable").inc()
             return _error(503, str(exc), "server_error")
@@ -370,7 +394,7 @@ def create_app(
         try:
             yield
         finally:
-            server.close()
+            await server.close()
 
     async def bad_request(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, _BadRequest)
