@@ -253,7 +253,7 @@ class EvalCallback:
         predictor = self.predictor
         predicted = predictor.predict(int(t.name[_LOGITS_NAME_LEN:]), x_rows)  # type: ignore[union-attr]
         if predicted is not None and predictor.trusted(predicted[0]):  # type: ignore[union-attr]
-            self.gate.predict(*predicted)
+            self.gate.predict(*predicted, batch=rows > 1)
         return True
 
     def _on_matmul(self, node: int, ask: bool) -> bool:

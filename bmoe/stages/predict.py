@@ -119,7 +119,7 @@ class Predictor:
     def predict(self, layer: int, x: np.ndarray) -> tuple[int, np.ndarray] | None:
         """From layer ``layer``'s router input (one row, or a batch's rows [tokens, n_embd]), the
         next MoE layer and the experts it is predicted to route: each row's top-k, their union
-        for a batch."""
+        for a batch, those more rows chose first (a read-ahead cut short keeps the surest)."""
         nxt = self._next.get(layer)
         if nxt is None:
             return None
@@ -129,7 +129,8 @@ class Predictor:
             top = np.argpartition(self._routers[nxt] @ x, -self._k)[-self._k:]
         else:
             scores = x @ self._routers[nxt].T
-            top = np.unique(np.argpartition(scores, -self._k, axis=1)[:, -self._k:])
+            union, votes = np.unique(np.argpartition(scores, -self._k, axis=1)[:, -self._k:], return_counts=True)
+            top = union[np.argsort(-votes, kind="stable")]  # most rows first: the surest guesses lead
         self._pending[nxt] = top
         return nxt, top
 
