@@ -206,3 +206,37 @@ def test_presence_and_frequency_penalties_change_the_draw_and_stream_like_reside
     resident = sampled(path, RESIDENT, penalised)
     assert resident != sampled(path, RESIDENT, plain), "the penalties reach llama.cpp's sampler"
     assert sampled(path, EVICTING, penalised) == resident
+
+
+def test_stderr_held_on_two_threads_is_given_back_to_stderr() -> None:
+    """A grammar's compile holds fd 2 in a temporary file. Two at once on two threads (two
+    sessions) each restored the other's file as stderr, losing every later line; one at a time now.
+    The second thread tries to enter while the first is inside: it waits (the first gives up
+    waiting for it after a second), or, unlocked, it enters and leaves after the first."""
+    import os
+    import threading
+
+    from bmoe.engine.seam import stderr_kept
+
+    before = os.fstat(2)
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+
+    def first() -> None:
+        with stderr_kept(lambda: True):
+            first_in.set()
+            second_in.wait(1.0)
+        first_out.set()
+
+    def second() -> None:  # unlocked, it would leave after the first, restoring the first's file
+        assert first_in.wait(60)
+        with stderr_kept(lambda: True):
+            second_in.set()
+            first_out.wait(60)
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    after = os.fstat(2)
+    assert (after.st_dev, after.st_ino) == (before.st_dev, before.st_ino), "stderr left on a temporary file"

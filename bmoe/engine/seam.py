@@ -14,6 +14,7 @@ import ctypes
 import os
 import sys
 import tempfile
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -95,6 +96,9 @@ def last_llama_error() -> str:
     )
 
 
+_STDERR_HELD = threading.Lock()
+
+
 @contextmanager
 def stderr_kept(failed: Callable[[], bool]) -> Iterator[list[str]]:
     """Around a native call that prints to stderr itself (``fprintf``, not the log callback): what
@@ -105,20 +109,23 @@ def stderr_kept(failed: Callable[[], bool]) -> Iterator[list[str]]:
     if _LOG["all"]:
         yield lines
         return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as held:
-        os.dup2(held.fileno(), 2)
-        try:
-            yield lines
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            held.seek(0)
-            text = held.read()
-            if text and not failed():
-                os.write(2, text)
-            lines.extend(line.strip() for line in text.decode(errors="replace").splitlines() if line.strip())
+    # One redirection at a time in the process: two sessions' samplers made at once on two threads
+    # would each restore the other's temporary file as stderr, and every later line would be lost.
+    with _STDERR_HELD:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        with tempfile.TemporaryFile() as held:
+            os.dup2(held.fileno(), 2)
+            try:
+                yield lines
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+                held.seek(0)
+                text = held.read()
+                if text and not failed():
+                    os.write(2, text)
+                lines.extend(line.strip() for line in text.decode(errors="replace").splitlines() if line.strip())
 
 
 _quiet_log = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(_filtered_log)
