@@ -62,10 +62,10 @@ def test_a_batchs_read_ahead_is_cut_to_what_lands_while_the_layer_computes() -> 
     gate.ahead_reads = reads_in
     guesses = np.array([5, 1, 7, 3])
     gate.predict(1, guesses, batch=True)
-    assert gate._ahead == (1, (5, 1, 7, 3)) and not asked, "no compute seen yet in this call: no cut"
+    assert gate._ahead == (1, (1, 3, 5, 7)) and not asked, "no compute seen yet in this call: no cut; file order"
     gate.route(0, np.array([[0, 1]]))  # all resident: compute resumes now
     gate.predict(1, guesses, batch=True)
-    assert gate._ahead == (1, (5, 1)), "the two surest"
+    assert gate._ahead == (1, (1, 5)), "the two surest, in file order"
     assert asked and asked[0][0] == 1 and asked[0][1] >= 0
     gate.route(0, np.array([[0, 1]]))
     gate.predict(1, guesses)  # one token (decode): as before
@@ -73,4 +73,4 @@ def test_a_batchs_read_ahead_is_cut_to_what_lands_while_the_layer_computes() -> 
     gate.ahead_reads = lambda layer, seconds: None  # no read measured yet: no cut
     gate.route(0, np.array([[0, 1]]))
     gate.predict(1, guesses, batch=True)
-    assert gate._ahead == (1, (5, 1, 7, 3))
+    assert gate._ahead == (1, (1, 3, 5, 7))

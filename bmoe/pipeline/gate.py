@@ -187,11 +187,15 @@ class RoutingGate:
         on a cold 5-token prompt at full depth: 3.24 s with the whole union read ahead against
         2.42 s without read-ahead (``docs/facts.md``)."""
         missing = experts[~self._resident[layer][experts]]
-        if batch and missing.size and self.ahead_reads is not None and self._resumed is not None:
-            computed = time.perf_counter() - self._resumed - (self.blocked_s - self._blocked_at_resume)
-            fit = self.ahead_reads(layer, computed)
-            if fit is not None:
-                missing = missing[:fit]
+        if batch and missing.size:
+            if self.ahead_reads is not None and self._resumed is not None:
+                computed = time.perf_counter() - self._resumed - (self.blocked_s - self._blocked_at_resume)
+                fit = self.ahead_reads(layer, computed)
+                if fit is not None:
+                    missing = missing[:fit]
+            # Read in file order (experts lie in id order in the file): in vote order a warm
+            # 200-token prompt ran 10-15 % slower.
+            missing = np.sort(missing)
         if missing.size:
             self._ahead = (layer, tuple(missing.tolist()))
 
