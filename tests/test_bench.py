@@ -284,6 +284,8 @@ def test_balloon_refusal_is_a_budget_error() -> None:
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (8 << 20, 8 << 20))
 
     proc = subprocess.run(argv, preexec_fn=limited, capture_output=True, text=True, timeout=60)
+    if proc.returncode != 3 and proc.stderr.startswith("setpriv:"):  # no CAP_SETPCAP here to drop it
+        pytest.skip(f"setpriv could not drop CAP_IPC_LOCK: {proc.stderr.strip()[:200]}")
     assert proc.returncode == 3 and proc.stdout.startswith("BudgetError") and "could not lock" in proc.stdout, \
         (proc.returncode, proc.stdout, proc.stderr)
 
