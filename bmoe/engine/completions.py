@@ -200,8 +200,6 @@ def _tokenize(session: Session, text: str, param: str, special: bool = False) ->
         text.encode("utf-8")
     except UnicodeEncodeError:
         raise ParamError(f"{param}: the text is not valid Unicode (a lone surrogate)", param) from None
-    except AttributeError:
-        raise ParamError(f"{param}: text expected, got {type(text).__name__}", param) from None
     return session.tokenize(text, special=special)
 
 

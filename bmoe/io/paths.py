@@ -114,12 +114,13 @@ def check_new_file(path: PathLike, what: str, *, force: bool = False) -> Path:
     out = Path(path)
     st = _stat(out, what, os.lstat)
     if st is not None:
-        if out.is_dir():
-            raise OutputPathError(f"{what} {out} is a folder, not a file")
         try:
-            kind = _kind(os.stat(out).st_mode)
+            mode = os.stat(out).st_mode  # what a link points at
         except OSError:  # a dangling link: replaced like a file
-            kind = None
+            mode = st.st_mode
+        if stat.S_ISDIR(mode):
+            raise OutputPathError(f"{what} {out} is a folder, not a file")
+        kind = _kind(mode)
         if kind is not None:
             raise OutputPathError(f"{what} {out} is {kind}, not a file; a model is written to a file")
         if not force:
@@ -145,12 +146,9 @@ def reclaimable_bytes(path: PathLike) -> int:
 def make_room(path: PathLike, what: str) -> None:
     """Unlink the name a forced ``check_new_file`` let through, right before the write, so that a
     symbolic or hard link to another file (a downloaded model) is replaced rather than written
-    through. Only ever a regular file or a link."""
+    through."""
     try:
-        if _kind(os.lstat(path).st_mode) is None and not os.path.isdir(path):
-            os.unlink(path)
-    except FileNotFoundError:
-        pass
+        remove_partial(path)
     except OSError as e:
         raise OutputPathError(f"{what} {path}: cannot replace it: {e.strerror}") from None
 
@@ -175,8 +173,9 @@ def remove_partial(path: PathLike) -> None:
     """Remove a file this run half wrote: only ever a regular file or a link, never a device or a
     folder that took its name meanwhile, and silently when it is already gone."""
     try:
-        if _kind(os.lstat(path).st_mode) is None and not stat.S_ISDIR(os.lstat(path).st_mode):
-            os.unlink(path)
+        mode = os.lstat(path).st_mode
     except FileNotFoundError:
-        pass
+        return
+    if stat.S_ISREG(mode) or stat.S_ISLNK(mode):
+        os.unlink(path)
 

@@ -46,23 +46,20 @@ def save_profile(path: str | os.PathLike[str], usage: Mapping[int, np.ndarray], 
         stream = not stat.S_ISREG(os.stat(name).st_mode)  # /dev/null, a pipe: written where it is
     except OSError:
         stream = False
-    if stream:  # a rename over it would replace the device (as root, /dev/null itself)
-        try:
-            with open(name, "w", encoding="utf-8") as f:
-                json.dump(doc, f, separators=(",", ":"))
-        except OSError as e:
-            raise ConfigError(f"{name}: cannot write the cache profile: {e.strerror or e}") from e
-        return
-    tmp = f"{name}.tmp-{os.getpid()}"
+    # A file goes through a temporary file renamed over it; a rename over a device would replace
+    # the device (as root, /dev/null itself).
+    target = name if stream else f"{name}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        with open(target, "w", encoding="utf-8") as f:
             json.dump(doc, f, separators=(",", ":"))
-        os.replace(tmp, name)
+        if not stream:
+            os.replace(target, name)
     except OSError as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        if not stream:
+            try:
+                os.unlink(target)
+            except OSError:
+                pass
         raise ConfigError(f"{name}: cannot write the cache profile: {e.strerror or e}") from e
 
 
