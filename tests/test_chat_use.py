@@ -13,7 +13,7 @@ import pytest
 from gguf import GGUFValueType
 from gguf.gguf_writer import GGUFValue
 
-from bmoe.cli.chat import _fit
+from bmoe.cli.chat import _fit, _settle
 from bmoe.engine.chat import ChatFormat, Message
 from bmoe.synth.tiny import TinySpec, write_tiny
 from tests.test_chat_tty import ENTERED, GUARD_S, PROMPT, spawn
@@ -225,15 +225,40 @@ def test_an_outgrown_context_drops_whole_turns(capsys) -> None:  # noqa: ANN001
     fmt = ChatFormat(None)  # "role: content" lines
     turn = [Message("user", "u" * 20), Message("assistant", "a" * 20)]
     history = [Message("system", "s"), *turn, *turn, *turn, Message("user", "new")]
-    prompt = _fit(_Tokens(n_ctx=100), fmt, history, 10)
-    assert [m.role for m in history] == ["system", "user", "assistant", "user"]
-    assert len(prompt) + 10 <= 100
+    before = list(history)
+    prompt, kept = _fit(_Tokens(n_ctx=100), fmt, history, 10)
+    assert [m.role for m in kept] == ["system", "user", "assistant", "user"] and history == before
+    assert len(prompt) + 10 <= 100 and prompt == fmt.render(kept)
     err = capsys.readouterr().err
     assert "the conversation outgrew the context (100 tokens, 10 of them kept for the reply)" in err
     assert "the oldest 2 turns were dropped, the model no longer sees them" in err
     history = [*turn, Message("user", "x" * 60)]
-    _fit(_Tokens(n_ctx=100), fmt, history, 10)
-    assert [m.role for m in history] == ["user"] and "the oldest turn was dropped" in capsys.readouterr().err
+    _, kept = _fit(_Tokens(n_ctx=100), fmt, history, 10)
+    assert [m.role for m in kept] == ["user"] and "the oldest turn was dropped" in capsys.readouterr().err
+
+
+@pytest.mark.pure
+def test_a_reply_stopped_before_its_answer_gives_back_the_turns_dropped_for_it(capsys) -> None:  # noqa: ANN001
+    """Turns dropped to fit a message stayed dropped when its reply was then stopped before any
+    answer: the message was taken back, the older conversation was lost for a reply that never came."""
+    fmt = ChatFormat(None)
+    turn = [Message("user", "u" * 20), Message("assistant", "a" * 20)]
+    history = [Message("system", "s"), *turn, *turn, *turn]
+    _, kept = _fit(_Tokens(n_ctx=100), fmt, [*history, Message("user", "new")], 10)
+    assert len(kept) == 4  # two turns dropped to fit
+    after, note = _settle(history, kept, "", "cancelled", 10, reasoned=True)
+    assert after == history
+    assert note == ("stopped before the answer; the message is not kept (up arrow recalls it), "
+                    "and the turns dropped for it are back")
+    after, note = _settle(history, kept, "  ", "length", 10, reasoned=True)
+    assert after == history and note.endswith("are back: raise -n, or /think off")
+    after, note = _settle(history, kept, "an answer", "cancelled", 10, reasoned=False)
+    assert after == [*kept, Message("assistant", "an answer")] and note == "stopped"
+    after, note = _settle(history, kept, "done", "stop", 10, reasoned=False)
+    assert after == [*kept, Message("assistant", "done")] and note is None
+    nothing_dropped = [*history, Message("user", "new")]
+    after, note = _settle(history, nothing_dropped, "", "cancelled", 10, reasoned=False)
+    assert after == history and note == "stopped before the answer; the message is not kept (up arrow recalls it)"
 
 
 def test_a_reply_length_that_fills_the_context_is_refused_at_start(qwen3) -> None:

@@ -129,11 +129,10 @@ async def _chat(model: Path, config: RunConfig, system: str | None, n: int | Non
                 else:
                     print(f"unknown command {command}; /help lists them", file=sys.stderr)
                 continue
-            history.append(Message("user", _prompt_text(line)))
             try:
-                prompt = _fit(session, fmt, history, n, {"enable_thinking": think})
+                prompt, kept = _fit(session, fmt, [*history, Message("user", _prompt_text(line))], n,
+                                    {"enable_thinking": think})
             except ConfigError as exc:  # this message only: the conversation goes on without it
-                history.pop()
                 print(f"bmoe: {exc}", file=sys.stderr)
                 continue
             reply = _Reply(tty)
@@ -155,16 +154,7 @@ async def _chat(model: Path, config: RunConfig, system: str | None, n: int | Non
                         totals["reused"] += piece.usage.prompt_reused
             finally:
                 _SIGINT_TAKEN_BY.remove(session.cancel)
-            answered = reply.answer.strip() != ""
-            note = {"cancelled": "stopped", "length": f"cut at {n} tokens (-n)"}.get(finish or "")
-            if note is not None and not answered:
-                # Nothing of an answer: the message would sit in the conversation unanswered
-                history.pop()
-                note += " before the answer; the message is not kept (up arrow recalls it)"
-                if finish == "length" and reply.reasoned:
-                    note += ": raise -n, or /think off"
-            else:
-                history.append(Message("assistant", reply.answer))
+            history, note = _settle(history, kept, reply.answer, finish, n, reply.reasoned)
             reply.end(note, quiet)
             stats = session.last_stats
             if stats is not None and not quiet:
@@ -347,10 +337,31 @@ class _StdinLines:
         return os.read(self._fd, 1 << 16)
 
 
-def _fit(session, fmt, history, n: int, template_kwargs: dict | None = None) -> str:  # noqa: ANN001
+def _settle(history: list, kept: list, answer: str, finish: str | None, n: int,
+            reasoned: bool) -> tuple[list, str | None]:
+    """The conversation after a reply, and the note to show under it. ``kept`` is what the reply
+    was asked on: the new user message last, maybe without the oldest turns ``_fit`` dropped. A
+    reply stopped or cut before any answer leaves the conversation as it was before the message:
+    the message would sit in it unanswered, and the turns dropped to make room for it are not lost
+    for a reply that never came."""
+    from bmoe.engine.chat import Message
+
+    note = {"cancelled": "stopped", "length": f"cut at {n} tokens (-n)"}.get(finish or "")
+    if note is None or answer.strip():
+        return [*kept, Message("assistant", answer)], note
+    note += " before the answer; the message is not kept (up arrow recalls it)"
+    if len(kept) < len(history) + 1:
+        note += ", and the turns dropped for it are back"
+    if finish == "length" and reasoned:
+        note += ": raise -n, or /think off"
+    return history, note
+
+
+def _fit(session, fmt, history, n: int, template_kwargs: dict | None = None) -> tuple[str, list]:  # noqa: ANN001
     """Render the conversation, dropping the oldest turns (a user message with its reply; never the
-    system message) to fit. A last message that cannot fit even alone raises ConfigError and leaves
-    ``history`` as it was."""
+    system message) to fit: the prompt, and the messages it holds. ``history`` is left as it was
+    (``_settle`` decides what stays once the reply is known). A last message that cannot fit even
+    alone raises ConfigError."""
     kept = list(history)
     dropped = 0
     while True:
@@ -361,8 +372,7 @@ def _fit(session, fmt, history, n: int, template_kwargs: dict | None = None) -> 
                 print(f"bmoe: the conversation outgrew the context ({session.n_ctx} tokens, {n} of them kept for "
                       f"the reply): {what}, the model no longer sees {'it' if dropped == 1 else 'them'}",
                       file=sys.stderr)
-                history[:] = kept
-            return prompt
+            return prompt, kept
         oldest = next((i for i, m in enumerate(kept) if m.role != "system"), None)
         if oldest is None or oldest == len(kept) - 1:
             raise ConfigError(f"the message does not fit the context ({session.n_ctx} tokens, {n} of them kept "
