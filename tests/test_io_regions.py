@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import random
+from collections import deque
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from bmoe.errors import BudgetError
-from bmoe.io.regions import Region, move_pages
+from bmoe.io.regions import Region, map_count, move_pages, release_pages, renew_pages
 
 pytestmark = pytest.mark.pure  # no model, no llama.cpp: `pytest -m pure` runs these in seconds
 
@@ -137,3 +139,50 @@ def test_moved_pages_carry_their_bytes_and_leave_the_source_mapped_and_empty() -
 def test_move_refused_is_reported_not_raised() -> None:
     with Region(4 * PAGE, 0) as r:
         assert not move_pages(r.base + 1, r.base + 2 * PAGE, PAGE), "unaligned: the kernel refuses"
+
+
+def test_a_renewed_range_is_empty_writable_and_merges_back() -> None:
+    with Region(8 * PAGE, 0) as src, Region(8 * PAGE, 0) as dst:
+        src.fill(0x11)
+        dst.fill(0x22)
+        before = map_count()
+        lo, hi = src.pages(PAGE, 3 * PAGE)
+        to, end = dst.pages(3 * PAGE, 5 * PAGE)
+        assert move_pages(lo, to, hi - lo)
+        assert map_count() == before + 2, "the moved pages are a mapping of their own, splitting dst"
+        renew_pages(to, end)
+        assert map_count() == before, "mapped afresh, the range merged back into its region"
+        assert read(to, end - to) == bytes(end - to)
+        ctypes.memset(to, 0x33, end - to)
+        assert read(to, end - to) == b"\x33" * (end - to)
+        assert read(dst.base, 3 * PAGE) == b"\x22" * 3 * PAGE  # neighbours untouched
+
+
+@pytest.mark.parametrize("free", [renew_pages, release_pages], ids=["renew", "release"])
+def test_slots_split_by_moves_merge_back_when_renewed(free) -> None:  # noqa: ANN001
+    """A cache churning over one region's slots, each miss taking the evicted slot's pages: the
+    mappings stay bounded by the slots that hold moved pages when evicted slots are mapped afresh.
+    Released in place (``release``, what bmoe did), every slot ever written split off for good:
+    a long-running server's mappings grew toward ``vm.max_map_count``."""
+    n_slots, n_cached, slot = 96, 8, 4 * PAGE
+    with Region(n_slots * slot, 0) as r:
+        at = [r.pages(e * slot, (e + 1) * slot)[0] for e in range(n_slots)]
+        base = map_count()
+        cached = deque(range(n_cached))
+        for e in cached:
+            ctypes.memset(at[e], 1, slot)
+        rng, peak = random.Random(0), 0
+        for _ in range(600):
+            e = rng.randrange(n_slots)
+            if e in cached:
+                continue
+            victim = cached.popleft()
+            assert move_pages(at[victim], at[e], slot)
+            free(at[victim], at[victim] + slot)
+            cached.append(e)
+            peak = max(peak, map_count() - base)
+    bound = 2 * n_cached + 2
+    if free is renew_pages:
+        assert peak <= bound, f"{peak} mappings over the region's own with {n_cached} slots cached"
+    else:  # the control: the gate above would catch slots left split off
+        assert peak > 3 * bound, peak

@@ -11,6 +11,9 @@ Pages are recycled rather than freed where a miss can take them: a read into pag
 costs about ten times the CPU of the read itself (2 ms per 2.5 MiB against 0.2 ms, measured in
 ``docs/facts.md``). ``move_pages`` hands an evicted expert's pages to a missing one with
 ``mremap(MREMAP_DONTUNMAP)``: the page tables move, the evicted slot stays mapped and empty.
+A slot that received moved pages is a mapping of its own until it is mapped afresh
+(``renew_pages``, what an eviction ends with), so the process's mappings stay bounded by what the
+cache holds rather than growing with every slot the run ever filled.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from bmoe.io.libc import libc
 _PAGE = max(mmap.PAGESIZE, DIRECT_ALIGN)
 # Python's mmap module exports MAP_NORESERVE only from 3.13; 0x4000 is its value on x86-64 and arm64.
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
+_MAP_FIXED = 0x10  # linux/mman.h on x86-64 and arm64; Python's mmap module does not export it
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 _MADV_NOHUGEPAGE = mmap.MADV_NOHUGEPAGE
@@ -76,6 +80,23 @@ def map_count() -> int:
 def release_pages(lo: int, hi: int) -> None:
     """Give the pages of [lo, hi) (page-aligned) back to the kernel; the range stays mapped."""
     _check(libc().madvise(lo, hi - lo, mmap.MADV_DONTNEED), "madvise(MADV_DONTNEED)")
+
+
+def renew_pages(lo: int, hi: int) -> None:
+    """Give the pages of [lo, hi) (page-aligned, inside a ``Region``) back to the kernel and map the
+    range afresh, as the region was reserved, so that it merges back into the region's own mapping.
+
+    A range that received pages from ``move_pages`` is a mapping of its own for as long as it stays
+    mapped (it keeps its source's page offset), and ``MADV_DONTNEED`` leaves it so: over a long run
+    of evictions nearly every expert slot ends up split off, and the process's mappings grow toward
+    ``vm.max_map_count``. Mapped afresh, a slot is split off only while it holds moved pages, so
+    the count stays bounded by what the cache holds. If the kernel refuses the new mapping (map
+    count exhausted: it refuses before unmapping anything), the pages are released in place."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED
+    if libc().mmap(lo, hi - lo, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0) != lo:
+        release_pages(lo, hi)  # raises if the range was lost (the kernel ran out of memory mid-call)
+        return
+    libc().madvise(lo, hi - lo, _MADV_NOHUGEPAGE)  # as reserved: only equal flags merge
 
 
 def map_zeros(nbytes: int) -> int:
@@ -149,7 +170,7 @@ class Region:
         lo, hi = self.pages(start, end)
         if hi <= lo:
             return 0
-        release_pages(lo, hi)
+        renew_pages(lo, hi)
         return hi - lo
 
     def pages(self, start: int, end: int) -> tuple[int, int]:

@@ -33,7 +33,7 @@ from bmoe.io.regions import (
     map_count,
     map_count_limit,
     move_pages,
-    release_pages,
+    renew_pages,
 )
 
 MAP_CHECK_EVERY = 1024  # page moves between two counts of the process's mappings (~10 ms at 40 000)
@@ -160,23 +160,25 @@ class Residency:
     def reuse(self, evicted: Iterable[Entry], needed: Iterable[Entry]) -> None:
         """Evict ``evicted`` (no read may be in flight into them) and move their pages into the
         slots of ``needed``, about to be read; pages left over are released. A slot given only
-        part of what it needs faults the rest in when its read lands."""
+        part of what it needs faults the rest in when its read lands. Every evicted slot is mapped
+        afresh once emptied (``renew_pages``): the slots a move split off merge back."""
         if self.shared:
             for layer, expert in evicted:
                 self.maps[layer][expert] = False
             return
-        donors: deque[list[int]] = deque()
+        spans = []
         for layer, expert in evicted:
             self.maps[layer][expert] = False
-            donors.extend([lo, hi] for lo, hi in self._pages(layer, expert) if hi > lo)
+            spans.extend((lo, hi) for lo, hi in self._pages(layer, expert) if hi > lo)
+        donors: deque[list[int]] = deque([lo, hi] for lo, hi in spans)
         for layer, expert in needed:
             for lo, hi in self._pages(layer, expert):
                 if self.recycle:
                     lo = self._move_into(lo, hi, donors)
                     if lo < hi and self.pool is not None and self.recycle:
                         self._take_pooled(lo, hi)
-        for lo, hi in donors:
-            release_pages(lo, hi)
+        for lo, hi in spans:
+            renew_pages(lo, hi)
 
     def _take_pooled(self, lo: int, hi: int) -> None:
         """Fill what the pool has ready of the pages [lo, hi); the rest fault in on the read."""
