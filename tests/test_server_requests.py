@@ -108,6 +108,7 @@ BAD_WHILE_BUSY = [
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 3000}]}, "messages"),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 99, "logprobs": True}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages"),
 ]
 
 
@@ -208,6 +209,38 @@ def test_nulls_one_prompt_in_a_list_and_the_harmless_values_are_accepted(served)
                  {"messages": CHAT, "max_tokens": 3, "tools": [], "temperature": 0.9, "seed": -1}):
         r = post(url, "/v1/chat/completions", body)
         assert r.status_code == 200 and r.json()["object"] == "chat.completion", (body, r.text)
+
+
+TOOL_CALL = {"id": "c1", "type": "function", "function": {"name": "colour", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("body,param,needle", [
+    ({"messages": [{"role": "user"}]}, "messages", "messages[0] has no content"),
+    ({"messages": [{"role": "system", "content": None}, CHAT[1]]}, "messages", "messages[0] has no content"),
+    ({"messages": [*CHAT, {"role": "assistant"}]}, "messages", "messages[2] has no content"),
+    ({"messages": [*CHAT, {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]}, {"role": "tool"}]},
+     "messages", "messages[3] has no content"),
+    ({"messages": CHAT, "logprobs": True, "top_logprobs": 50}, "top_logprobs", "top_logprobs must be"),
+    ({"messages": CHAT, "logprobs": True, "top_logprobs": -1}, "top_logprobs", "top_logprobs must be"),
+])
+def test_a_message_without_content_and_top_logprobs_out_of_range_are_refused_by_name(
+        served, body: dict, param: str, needle: str) -> None:
+    url, _ = served
+    r = post(url, "/v1/chat/completions", {**body, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error", err
+    assert err["message"].startswith(needle), err
+
+
+def test_empty_content_and_an_assistant_tool_call_without_content_are_accepted(served) -> None:
+    url, _ = served
+    for messages in ([{"role": "user", "content": ""}],
+                     [*CHAT, {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
+                      {"role": "tool", "tool_call_id": "c1", "content": "red"}],
+                     [*CHAT, {"role": "assistant", "tool_calls": [TOOL_CALL]}, {"role": "tool", "content": ""}]):
+        r = post(url, "/v1/chat/completions", {"messages": messages, "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["object"] == "chat.completion", (messages, r.text)
 
 
 def test_logit_bias_steers_the_draw(served, tiny_path) -> None:
