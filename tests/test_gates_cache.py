@@ -258,3 +258,32 @@ def test_reads_into_fresh_pages_get_twice_the_lanes_and_tokens_stay(tiny) -> Non
     assert g.tokens == tiny.resident_tokens(path)
     before, after, g = asyncio.run(go(0))
     assert (before, after) == (2, 2)
+
+
+def test_a_read_ahead_is_counted_as_a_read_never_as_a_hit(tiny) -> None:
+    """Experts read ahead of need (a prompt's predicted experts, a prompt read in chunks through a
+    small cache) were counted as cache hits when their layer found them resident, and left out of
+    the experts read: a 1 MiB cache "hit" 55 % while reading exactly what the cache-off run read.
+    Now the bytes read always match the experts read, and only what the cache saved is a hit."""
+    from bmoe.io.validate import open_layout
+
+    path = tiny.path(BIG_EXPERTS)
+    entry = max(open_layout(path).entry_bytes().values())
+    stats = {}
+    for budget in (0, MiB, 2 * MiB, 64 * MiB):
+        async def go(budget: int = budget):  # noqa: ANN202
+            with Session.open(path, config(budget)) as s:
+                return (await s.generate(PROMPT, N_TOKENS, stop_at_end=False)).stats
+
+        st = stats[budget] = asyncio.run(go())
+        slack = 3 * 2 * 4096  # O_DIRECT reads the page-aligned superset of each projection
+        assert st.experts_read * entry <= st.bytes_read <= st.experts_read * (entry + slack), budget
+        unused_ahead = st.prefetch_issued - st.prefetch_useful
+        assert st.cache_hits + st.experts_read - unused_ahead == st.experts_routed, budget
+        assert st.cache_hit_pct == pytest.approx(100.0 * st.cache_hits / st.experts_routed)
+    assert any(st.prefetch_useful for st in stats.values()), "some run read ahead: the gate covers it"
+    off = stats[0]
+    for st in stats.values():
+        if st.bytes_read == off.bytes_read:  # read all the cache-off run read: nothing was saved
+            assert st.cache_hits == 0 and st.cache_hit_pct == 0.0
+    assert stats[64 * MiB].cache_hits > 0

@@ -41,8 +41,8 @@ class _PrefillRecord:
     chunk: int
     wall_s: float
     blocked_s: float
-    hits: int
-    misses: int
+    hits: int  # found resident, not read ahead (GenerationStats.cache_hits)
+    routed: int  # GenerationStats.experts_routed
     bytes_read: int | None  # None when resident
 
 
@@ -67,11 +67,10 @@ class PrefillPlanner:
         if steps > 0 and stats.decode_s > 0:
             blocked = max(0.0, (stats.blocked_s or 0.0) - rec.blocked_s)
             self.decode_compute_s = max(0.0, stats.decode_s - blocked) / steps
-            if stats.cache_hits is not None and stats.experts_read is not None:
-                hits = stats.cache_hits - rec.hits
-                used = hits + stats.experts_read - rec.misses
+            if stats.cache_hits is not None and stats.experts_routed is not None:
+                used = stats.experts_routed - rec.routed
                 if used > 0:
-                    self.hit = hits / used
+                    self.hit = (stats.cache_hits - rec.hits) / used
 
     def rates(self, session: Any) -> Rates:
         streaming = session._streaming
@@ -114,8 +113,8 @@ class PrefillPlanner:
         after = session._streaming.counters() if session._streaming is not None else None
         d = after - before if after is not None and before is not None else None
         rec = _PrefillRecord(
-            len(tokens), chunk, wall, d.blocked_s if d else 0.0, d.hits if d else 0, d.misses if d else 0,
-            d.bytes_read if d else None,
+            len(tokens), chunk, wall, d.blocked_s if d else 0.0, d.hits - d.prefetch_useful if d else 0,
+            d.hits + d.misses if d else 0, d.bytes_read if d else None,
         )
         self.last_prefill = rec
         compute = max(0.0, wall - rec.blocked_s)

@@ -595,7 +595,7 @@ class Session:
         if m.counters is not None and start is not None:
             total = m.counters - start
             used = total.hits + total.misses
-            cum = 100.0 * total.hits / used if used else None
+            cum = 100.0 * (total.hits - total.prefetch_useful) / used if used else None
         wait = d.blocked_s if d else None
         return TokenMetrics(
             index=index, token=token, phase="prefill" if index == 0 else "decode",
@@ -604,8 +604,8 @@ class Session:
             cache_ms=d.cache_s * 1e3 if d else None,
             compute_ms=(m.wall_s - (wait or 0.0)) * 1e3,
             bytes_read=d.bytes_read if d else None,
-            experts_read=d.misses if d else None,
-            hits=d.hits if d else None,
+            experts_read=d.misses + d.prefetch_issued if d else None,  # a read ahead is a read, not a hit
+            hits=d.hits - d.prefetch_useful if d else None,
             cum_hit_pct=cum,
             major_faults=m.after.major_faults - m.before.major_faults,
             cpu_ms=(m.after.cpu_s - m.before.cpu_s) * 1e3,

@@ -41,13 +41,18 @@ class GenerationStats:
     generated_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0  # summed wall time of the decode calls after prefill (not the caller's)
-    experts_read: int | None = None  # (layer, expert) entries read, all projections
+    # The cache's figures count every (layer, expert) once per use, all projections together. A
+    # read ahead of need (prompt read-ahead, predicted or profile prewarm, a prompt read in
+    # chunks) is a read, not a hit, even when its layer then finds it resident: the hit rate
+    # says what the cache saved, and bytes read always match experts read.
+    experts_read: int | None = None  # entries read, on demand or ahead of need
+    experts_routed: int | None = None  # routed entries the cache served (hits, misses, read ahead)
     slices_read: int | None = None  # (layer, projection, expert) reads
     bytes_read: int | None = None  # bytes transferred from the model file(s)
     read_busy_s: float | None = None  # summed time the I/O lanes spent inside reads
     read_wall_s: float | None = None  # summed per layer: reads issued -> last read landed
     blocked_s: float | None = None  # compute thread waiting on the pipeline (reads + hops)
-    cache_hits: int | None = None
+    cache_hits: int | None = None  # routed entries found resident and not read ahead for the use
     cache_evictions: int | None = None
     cache_s: float | None = None  # cache writer time: planning, evicting, trimming
     budget_bytes: int | None = None  # at the start of the generation
@@ -70,17 +75,18 @@ class GenerationStats:
     def add_counters(self, c: Counters) -> None:
         self.slices_read, self.bytes_read, self.read_busy_s = c.slices, c.bytes_read, c.busy_s
         self.read_wall_s, self.blocked_s, self.cache_s = c.read_wall_s, c.blocked_s, c.cache_s
-        self.experts_read, self.cache_hits, self.cache_evictions = c.misses, c.hits, c.evictions
+        self.experts_read = c.misses + c.prefetch_issued
+        self.cache_hits, self.experts_routed = c.hits - c.prefetch_useful, c.hits + c.misses
+        self.cache_evictions = c.evictions
         self.speculative_bytes = c.speculative_bytes
         self.prefetch_issued, self.prefetch_useful = c.prefetch_issued, c.prefetch_useful
         self.recycled_bytes = c.recycled_bytes
 
     @property
     def cache_hit_pct(self) -> float | None:
-        if self.cache_hits is None or self.experts_read is None:
+        if self.cache_hits is None or not self.experts_routed:
             return None
-        used = self.cache_hits + self.experts_read
-        return 100.0 * self.cache_hits / used if used else None
+        return 100.0 * self.cache_hits / self.experts_routed
 
     @property
     def tok_per_s(self) -> float | None:

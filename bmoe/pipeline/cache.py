@@ -139,11 +139,14 @@ class ExpertCache:
         served = self._served
         if served is None or self._ahead or self.resident_bytes > self.budget_bytes:
             return False
-        resident = self._resident
+        resident, stale = self._resident, self._stale
         n = 0
         for layer, ids in visits:
-            if not resident.issuperset([(layer, e) for e in ids.tolist()]):
+            entries = [(layer, e) for e in ids.tolist()]
+            if not resident.issuperset(entries):
                 return False
+            if stale and any(e in stale for e in entries):
+                return False  # a read-ahead used at last: plan() counts it as one, not as a hit
             n += ids.size
         if not served(visits):
             return False
