@@ -86,6 +86,27 @@ def test_completion_requests_name_the_parameter_that_holds_a_lone_surrogate(sess
     assert info.value.param == "prompt"
 
 
+def test_the_python_api_refuses_what_the_server_refuses_in_a_chat(session) -> None:
+    """A message without content was rendered as empty, and an out-of-range top_logprobs was
+    refused under the name logprobs: the server had a check of its own, the Python API none."""
+    from bmoe.engine.completions import prepare_chat_completion
+    from bmoe.engine.sampling import ParamError
+
+    s = session.session
+    for messages in ([{"role": "user"}], [{"role": "system", "content": None}, {"role": "user", "content": "x"}],
+                     [{"role": "user", "content": "x"}, {"role": "assistant"}]):
+        with pytest.raises(ParamError, match=r"messages\[\d\] has no content") as info:
+            prepare_chat_completion(s, messages)
+        assert info.value.param == "messages"
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+                                                                   "function": {"name": "f", "arguments": "{}"}}]}
+    prepare_chat_completion(s, [{"role": "user", "content": "x"}, call, {"role": "user", "content": "y"}])
+    for value in (50, -1):
+        with pytest.raises(ParamError, match=rf"^top_logprobs must be an integer in \[0, 20\], got {value}$") as info:
+            prepare_chat_completion(s, [{"role": "user", "content": "x"}], logprobs=True, top_logprobs=value)
+        assert info.value.param == "top_logprobs"
+
+
 def test_text_that_utf8_cannot_encode_and_wrong_types(session) -> None:
     with pytest.raises(ConfigError, match="lone surrogate"):
         session.generate("hi \udcff", 2)

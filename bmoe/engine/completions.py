@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bmoe.engine.chat import Message
-from bmoe.engine.sampling import ParamError, SamplingParams, TokenLogprob
+from bmoe.engine.sampling import MAX_LOGPROBS, ParamError, SamplingParams, TokenLogprob
 from bmoe.engine.seam import check_token_ids
 from bmoe.engine.stops import StopStrings
 from bmoe.errors import ConfigError
@@ -79,7 +79,11 @@ def sampling_from(
         return SamplingParams(**kw)
     except ParamError as exc:
         rename = {"json_schema": "response_format", "json_object": "response_format", "logprobs": logprobs_param}
-        raise ParamError(str(exc), rename.get(exc.param, exc.param)) from None
+        param = rename.get(exc.param, exc.param)
+        message = str(exc)
+        if exc.param == "logprobs" and param != "logprobs":  # the message names the field the caller gave
+            message = message.replace("logprobs", param, 1)
+        raise ParamError(message, param) from None
 
 
 def _logit_bias(bias: Any) -> tuple[tuple[int, float], ...]:
@@ -143,6 +147,10 @@ def messages_from(messages: Any) -> list[Message]:
             raise ParamError(f"messages[{i}] needs a role among {', '.join(ROLES)}", "messages")
         content = m.get("content")
         if content is None:
+            # OpenAI refuses a message without content, except an assistant's that calls a tool
+            if not (m["role"] == "assistant" and (m.get("tool_calls") or m.get("function_call"))):
+                raise ParamError(f"messages[{i}] has no content (only an assistant message with tool_calls "
+                                 "may leave it out)", "messages")
             content = ""
         elif isinstance(content, list):
             parts = [p.get("text") for p in content if isinstance(p, Mapping) and p.get("type") == "text"]
@@ -271,6 +279,9 @@ def prepare_chat_completion(
     _one("chat_template_kwargs", chat_template_kwargs, lambda v: v is None or isinstance(v, Mapping),
          "must be an object")
     _tools(tools, tool_choice, functions, function_call)
+    _one("top_logprobs", top_logprobs,  # OpenAI bounds it whether or not logprobs is asked for
+         lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_LOGPROBS),
+         f"must be an integer in [0, {MAX_LOGPROBS}], got {top_logprobs!r}")
     params = sampling_from(logprobs=(top_logprobs or 0) if logprobs else None, logprobs_param="top_logprobs",
                            **sampling)
     params.check_vocab(session.n_vocab)

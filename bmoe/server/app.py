@@ -186,7 +186,6 @@ class _Server:
         try:
             if route == "chat":
                 assert isinstance(request, ChatRequest)
-                request.check()
                 return prepare_chat_completion(session, request.messages, **kw)
             assert isinstance(request, CompletionRequest)
             return prepare_completion(session, request.prompt, **kw)

@@ -5,8 +5,7 @@ field of the wrong type is a 400, and null is the field's default wherever OpenA
 fields bmoe cannot honour (``tools``, ``echo``, ``suffix``, ``best_of`` > 1...) are declared here so
 that the engine refuses them by name instead of their being dropped unseen. Semantic checks
 (max_tokens > 0, messages well formed, a prompt that fits the context, n == 1) are the engine's
-(``bmoe.engine.completions.prepare_*``), so the Python API and the server refuse the same things;
-``ChatRequest.check`` adds the two the engine does not make as the server needs them.
+(``bmoe.engine.completions.prepare_*``), so the Python API and the server refuse the same things.
 """
 
 from __future__ import annotations
@@ -14,9 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
-
-from bmoe.engine.completions import ROLES
-from bmoe.engine.sampling import MAX_LOGPROBS, ParamError
 
 
 class _Sampling(BaseModel):
@@ -55,24 +51,6 @@ class ChatRequest(_Sampling):
     tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
-
-    def check(self) -> None:
-        """Refuse what the engine lets through or words for the Python API (raises ParamError):
-        a message without content, which OpenAI refuses unless it is an assistant's carrying
-        ``tool_calls`` (or the older ``function_call``), whereas the engine would render it as
-        empty; and ``top_logprobs`` out of range, which the engine refuses under the name
-        ``logprobs``, a field this request has too. The first message the engine refuses (not an
-        object, no known role) ends the look: the engine names it in its own words."""
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-            raise ParamError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.top_logprobs!r}",
-                             "top_logprobs")
-        for i, m in enumerate(self.messages):
-            if not isinstance(m, dict) or m.get("role") not in ROLES:
-                return
-            called = m["role"] == "assistant" and (m.get("tool_calls") or m.get("function_call"))
-            if m.get("content") is None and not called:
-                raise ParamError(f"messages[{i}] has no content (only an assistant message with tool_calls "
-                                 "may leave it out)", "messages")
 
     def engine_kwargs(self) -> dict[str, Any]:
         kw = super().engine_kwargs()
