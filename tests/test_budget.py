@@ -64,7 +64,9 @@ def test_a_fixed_budget_that_cannot_fit_is_refused_with_the_figure_that_would() 
     forced = resolve(7 * GiB, force=True)
     assert forced.bytes == 7 * GiB and forced.warning is not None and "forced" in forced.warning
     assert resolve(0, available=0).bytes == 0, "cache off always fits"
-    assert resolve(20 * GiB, expert_bank_bytes=1 * GiB).bytes == 20 * GiB, "only the bank's worth is held"
+    whole = resolve(20 * GiB, expert_bank_bytes=1 * GiB)  # fits: only the bank's worth is ever held
+    assert whole.bytes == 1 * GiB and whole.how == "1024 MiB, the whole expert bank (20480 MiB asked)", \
+        "a budget past the bank is the bank, and says so (it had reported 20480 MiB and the guard a shrink)"
 
 
 def test_below_the_working_set_still_warns() -> None:

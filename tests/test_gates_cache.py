@@ -17,7 +17,7 @@ from bmoe.errors import BudgetError
 from bmoe.metrics.sinks import read_csv
 from bmoe.pipeline.hooks import Hooks
 from bmoe.synth.tiny import TinySpec
-from tests.helpers import N_TOKENS, PROMPT
+from tests.helpers import N_TOKENS, PROMPT, generate_tokens
 
 # Experts of ~0.8 MB (f32) or ~0.2 MB (q8_0): a 1 MiB budget evicts within every token.
 BIG_EXPERTS = TinySpec(n_embd=256, n_ff=256, n_layer=3)
@@ -253,9 +253,18 @@ def test_reads_into_fresh_pages_get_twice_the_lanes_and_tokens_stay(tiny) -> Non
     before, after, g = asyncio.run(go(2 * MiB, warm_pool=False))
     assert (before, after) == (4, 2), "fresh while empty; evictions supply pages once full"
     assert g.stats.cache_evictions > 0 and g.tokens == tiny.resident_tokens(path)
-    before, after, g = asyncio.run(go(256 * MiB, warm_pool=False))
+    wide = tiny.path(TinySpec(n_embd=256, n_ff=256, n_layer=3, n_expert=64, wtype="q8_0"))
+
+    async def short(budget: int):  # noqa: ANN202
+        with Session.open(wide, config(budget, io_threads=2, warm_pool=False)) as s:
+            before = s._streaming.lanes_now()
+            g = await s.generate("Hi", 2, stop_at_end=False)
+            return before, s._streaming.lanes_now(), g, s.resident_cache_bytes, s.budget_bytes
+
+    before, after, g, resident, budget = asyncio.run(short(256 * MiB))
+    assert budget < 256 * MiB and resident < budget, "a budget past the bank is the bank; most of it unread"
     assert (before, after) == (4, 4), "room left: still filling"
-    assert g.tokens == tiny.resident_tokens(path)
+    assert g.tokens == generate_tokens(wide, RunConfig(mode="resident", n_ctx=256), prompt="Hi", n=2)
     before, after, g = asyncio.run(go(0))
     assert (before, after) == (2, 2)
 

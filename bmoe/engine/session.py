@@ -645,7 +645,8 @@ class Session:
         return self._streaming.budget.how if self._streaming else None
 
     def set_cache_budget(self, budget_bytes: int) -> None:
-        """Change the expert cache budget between generations; evicts down to it at once."""
+        """Change the expert cache budget between generations; evicts down to it at once. A budget
+        past the expert bank is the bank."""
         self._live()
         if self._lock is not None and self._lock.locked():
             raise BmoeError("cannot change the cache budget while generating")
@@ -653,7 +654,9 @@ class Session:
             raise ConfigError("a resident session has no expert cache")
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, np.integer)) or budget_bytes < 0:
             raise ConfigError(f"the cache budget is a whole number of bytes >= 0 (0: off), got {budget_bytes!r}")
-        self._streaming.set_budget(int(budget_bytes))
+        # More than the bank can never be filled; the guard's ceiling would count the difference
+        # as memory the cache is about to take.
+        self._streaming.set_budget(min(int(budget_bytes), self.layout.expert_bytes))
 
     @property
     def pressure_guard(self) -> PressureGuard | None:

@@ -117,6 +117,9 @@ def resolve_budget(
         if requested < 0:
             raise BudgetError(f"cache budget must be >= 0, got {requested}")
         budget, how = requested, f"{requested / MiB:.0f} MiB as requested"
+        if requested > expert_bank_bytes > 0:  # more than the bank can never be filled: say what runs
+            budget = expert_bank_bytes
+            how = f"{budget / MiB:.0f} MiB, the whole expert bank ({requested / MiB:.0f} MiB asked)"
         if min(requested, expert_bank_bytes) > fit:
             text = f"a {requested / MiB:.0f} MiB cache does not fit in memory: {fit / MiB:.0f} MiB would ({model})"
             if not force:
