@@ -44,6 +44,24 @@ def test_splitter(pieces: list[str], expected: tuple[str, str]) -> None:
     assert run(ThinkSplitter(), pieces) == expected
 
 
+@pytest.mark.parametrize("pieces,expected", [
+    (["<thi"], ("", "")),  # cut while writing <think>: it had leaked as the answer, and the turn was kept
+    (["<think>plan</thi"], ("plan", "")),
+    (["  <"], ("", "")),
+    (["An answer <"], ("", "An answer <")),  # once the answer began, no marker is looked for: all text
+])
+def test_a_reply_cut_inside_a_marker_drops_the_markers_start(pieces: list[str], expected: tuple[str, str]) -> None:
+    from bmoe.engine.thinking import ChannelSplitter
+
+    splitter = ThinkSplitter()
+    r, a = zip(*(splitter.feed(p) for p in pieces))
+    fr, fa = splitter.flush(cut=True)
+    assert ("".join(r) + fr, "".join(a) + fa) == expected
+    channels = ChannelSplitter()
+    assert channels.feed("<|channel|>final<|message|>Yes<|en") == ("", "Yes")
+    assert channels.flush(cut=True) == ("", "")
+
+
 def test_a_prompt_that_opened_the_block_starts_in_reasoning() -> None:
     assert run(ThinkSplitter("<|im_start|>assistant\n<think>\n"), ["weigh it", "</think>", "done"]) == ("weigh it", "done")
 

@@ -26,6 +26,7 @@ from bmoe.cli.flags import (
 )
 from bmoe.cli.generate import _summary
 from bmoe.engine.config import RunConfig
+from bmoe.engine.thinking import CUT
 from bmoe.errors import ConfigError
 
 DEFAULT_REPLY_TOKENS = 256
@@ -143,7 +144,7 @@ async def _chat(model: Path, config: RunConfig, system: str | None, n: int | Non
                 async for piece in session.stream(prompt, n, special=True, sampling=sampling, stop=stop):
                     reasoning, answer = split.feed(piece.text)
                     if piece.finish_reason is not None:
-                        r2, a2 = split.flush()
+                        r2, a2 = split.flush(cut=piece.finish_reason in CUT)
                         reasoning, answer = reasoning + r2, answer + a2
                     reply.show(reasoning, answer)
                     if piece.usage is not None:

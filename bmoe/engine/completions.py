@@ -30,6 +30,7 @@ from bmoe.engine.chat import Message
 from bmoe.engine.sampling import MAX_LOGPROBS, ParamError, SamplingParams, TokenLogprob
 from bmoe.engine.seam import check_token_ids
 from bmoe.engine.stops import StopStrings
+from bmoe.engine.thinking import CUT
 from bmoe.errors import ConfigError
 
 # ``Session`` and ``Piece`` (bmoe.engine.session) are named in annotations only: session.py imports
@@ -428,7 +429,7 @@ async def _chat(session: Session, p: Prepared, pieces: AsyncIterator[Piece], ids
                 async for piece in _chain(first, pieces):
                     reasoning, answer = split.feed(piece.text)
                     if piece.finish_reason is not None:
-                        r2, a2 = split.flush()
+                        r2, a2 = split.flush(cut=piece.finish_reason in CUT)
                         reasoning, answer = reasoning + r2, answer + a2
                     delta = {}
                     if reasoning:
@@ -448,7 +449,7 @@ async def _chat(session: Session, p: Prepared, pieces: AsyncIterator[Piece], ids
                 content_lps.append(_chat_logprob(session, piece.logprob))
             last = piece
     assert last is not None
-    reasoning, answer = split.flush()
+    reasoning, answer = split.flush(cut=last.finish_reason in CUT)
     message = {"role": "assistant", "content": "".join(parts) + answer}
     if any(thoughts) or reasoning:
         message["reasoning_content"] = "".join(thoughts) + reasoning

@@ -26,6 +26,7 @@ from __future__ import annotations
 import re
 
 OPEN, CLOSE = "<think>", "</think>"
+CUT = ("length", "cancelled")  # finish reasons of a reply stopped before its end: ``flush(cut=True)``
 
 
 class ThinkSplitter:
@@ -67,9 +68,14 @@ class ThinkSplitter:
                 pending = ""
         return reasoning, answer
 
-    def flush(self) -> tuple[str, str]:
-        """What is still held at the end of the reply."""
+    def flush(self, cut: bool = False) -> tuple[str, str]:
+        """What is still held at the end of the reply. ``cut``: the reply was stopped before its
+        end (``-n``/``max_tokens``, a cancel): what is held is the start of a marker the model did
+        not finish writing, markup rather than text, and is dropped. A reply that ended on its own
+        with a lone ``<`` or ``</thi`` did write it, and keeps it."""
         held, self._held = self._held, ""
+        if cut:
+            return "", ""
         return (held, "") if self._state == "thinking" else ("", held if self._state != "after" else "")
 
 
@@ -146,9 +152,12 @@ class ChannelSplitter:
                     self._state, pending = "between", pending[at + len(marker):]
         return out["reasoning"], out["answer"]
 
-    def flush(self) -> tuple[str, str]:
-        """What is still held at the end of the reply (an unfinished header is dropped)."""
+    def flush(self, cut: bool = False) -> tuple[str, str]:
+        """What is still held at the end of the reply (an unfinished header is dropped; so is a
+        marker's start held when the reply was ``cut``, as for ``ThinkSplitter.flush``)."""
         held, self._held, self._header = self._held, "", ""
+        if cut:
+            return "", ""
         if self._state == "reasoning":
             return held, ""
         return ("", held) if self._state in ("start", "plain", "answer") else ("", "")
