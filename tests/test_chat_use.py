@@ -261,6 +261,19 @@ def test_a_reply_stopped_before_its_answer_gives_back_the_turns_dropped_for_it(c
     assert after == history and note == "stopped before the answer; the message is not kept (up arrow recalls it)"
 
 
+def test_a_system_message_that_fills_the_context_is_refused_at_start(qwen3) -> None:
+    """Every message, even "hi", was refused as too long, the system message never named."""
+    system = "rule " * 300
+    proc = subprocess.run([sys.executable, "-m", "bmoe.cli", "chat", "-m", str(qwen3), "-c", "256", "-n", "16",
+                           "--system", system], input="hi\n", capture_output=True, text=True, timeout=GUARD_S)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        "bmoe: error: the system message leaves no room in the context (256 tokens, 16 of them kept for the reply) "
+        "for a message: shorten it, or raise -c or lower -n"], proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "bmoe.cli", "chat", "-m", str(qwen3), "-c", "256", "-n", "16", "-q",
+                           "--system", "rule " * 5], input="hi\n", capture_output=True, text=True, timeout=GUARD_S)
+    assert proc.returncode == 0 and "does not fit" not in proc.stderr and proc.stdout.strip(), proc.stderr
+
+
 def test_a_reply_length_that_fills_the_context_is_refused_at_start(qwen3) -> None:
     """-n at or past -c left no room for any message: every line was refused, then status 0."""
     proc = subprocess.run([sys.executable, "-m", "bmoe.cli", "chat", "-m", str(qwen3), "-c", "256", "-n", "1000"],

@@ -88,10 +88,15 @@ async def _chat(model: Path, config: RunConfig, system: str | None, n: int | Non
         for warning in () if quiet else session.warnings:
             print(f"bmoe: warning: {warning}", file=sys.stderr)
         fmt = session.chat_format()
+        start: list[Message] = [Message("system", system)] if system else []
+        if start:  # else every message would be refused as too long, one by one
+            empty = fmt.render([*start, Message("user", "")], {"enable_thinking": think})
+            if len(session.tokenize(empty, special=True)) + n > session.n_ctx:
+                raise ConfigError(f"the system message leaves no room in the context ({session.n_ctx} tokens, {n} "
+                                  "of them kept for the reply) for a message: shorten it, or raise -c or lower -n")
         tty = sys.stdout.isatty()
         if not quiet:
             print(_banner(model, session, fmt, n, think), file=sys.stderr)
-        start: list[Message] = [Message("system", system)] if system else []
         history = list(start)
         read_line = _line_reader()
         totals = {"replies": 0, "tokens": 0, "prompt": 0, "reused": 0}
