@@ -63,3 +63,11 @@ def test_reads_are_all_issued_ahead_and_deterministic(tiny, n: int) -> None:
 def test_nonsense_is_refused(kw: dict, msg: str) -> None:
     with pytest.raises(ConfigError, match=msg):
         RunConfig(**kw)
+
+
+def test_a_distance_past_the_last_moe_layer_is_refused_at_open(tiny) -> None:
+    """On 4 MoE layers, --route-ahead 4 routed nothing ahead yet labelled the run lossy."""
+    with pytest.raises(ConfigError, match=r"route_ahead 4 reaches past the model's 4 MoE layers.*at most 3"):
+        _run(tiny, 4)
+    got, _ = _run(tiny, 3)  # the farthest that still routes a layer ahead
+    assert got == _run(tiny, 3)[0]

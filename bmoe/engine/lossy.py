@@ -106,7 +106,12 @@ class LoadOverrides:
 
 
 def load_overrides(layout: ModelLayout, config: RunConfig) -> LoadOverrides:
-    """Apply ``config``'s load-time levers to ``layout``; a K outside 1..k is a ConfigError."""
+    """Apply ``config``'s load-time levers to ``layout``; a K outside 1..k is a ConfigError, and so
+    is a route-ahead distance no layer is that far from (a run labelled lossy that changed nothing)."""
+    n_moe = len(layout.moe_layers)
+    if config.route_ahead and config.route_ahead >= n_moe:
+        raise ConfigError(f"route_ahead {config.route_ahead} reaches past the model's {n_moe} MoE layers: "
+                          f"no layer would be routed ahead (at most {n_moe - 1})")
     k = config.n_expert_used
     if k is None:
         return LoadOverrides(layout, None)
