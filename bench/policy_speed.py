@@ -29,7 +29,7 @@ async def _one(model: Path, mb: float, policy: str, n: int) -> tuple[float, floa
         gen = await s.generate(PROMPT, n, stop_at_end=False)
         wall = time.perf_counter() - t0
         st = gen.stats
-        hit = 100.0 * st.cache_hits / max(st.cache_hits + st.experts_read, 1)
+        hit = st.cache_hit_pct or 0.0
         return n / wall, hit, gen.tokens
 
 
