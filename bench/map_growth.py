@@ -37,23 +37,23 @@ async def soak(model: Path, cache_mb: int, generations: int, n: int, every: int)
     rows = []
     with Session.open(model, config) as s:
         opened = map_count()
-        tokens = hits = reads = recycled = 0
+        tokens = hits = routed = recycled = 0
         t0 = time.perf_counter()
         for i in range(generations):
             g = await s.generate(prompt(i), n, stop_at_end=False)
             st = g.stats
             tokens += len(g.tokens)
             hits += st.cache_hits or 0
-            reads += st.experts_routed or 0
+            routed += st.experts_routed or 0
             recycled += st.recycled_bytes or 0
             if (i + 1) % every == 0 or i + 1 == generations:
                 wall = time.perf_counter() - t0
                 row = {"generations": i + 1, "maps": map_count(), "maps_over_open": map_count() - opened,
-                       "tok_s": round(tokens / wall, 2), "hit_pct": round(100 * hits / max(reads, 1), 1),
+                       "tok_s": round(tokens / wall, 2), "hit_pct": round(100 * hits / max(routed, 1), 1),
                        "recycled_mib": recycled >> 20, "recycling": s._streaming.residency.recycle}
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
-                tokens = hits = reads = recycled = 0
+                tokens = hits = routed = recycled = 0
                 t0 = time.perf_counter()
     return {"model": model.name, "cache_mb": cache_mb, "tokens_per_generation": n,
             "map_count_limit": map_count_limit(), "maps_at_open": opened, "rows": rows}
