@@ -146,8 +146,10 @@ class SynthSpec:
         shape = get_shape(self.like)
         if self.wtype not in WTYPES:
             raise ConfigError(f"unknown --type {self.wtype!r}; expected one of {', '.join(WTYPES)}")
-        if self.n_layer is not None and not 1 <= self.n_layer <= 1024:
-            raise ConfigError(f"--layers must be in [1, 1024], got {self.n_layer}")
+        if self.n_layer is not None and not 1 <= self.n_layer <= shape.n_layer:
+            # More blocks than the real model has would be no longer its shapes (and a bigger file).
+            raise ConfigError(f"--layers must be in [1, {shape.n_layer}] for {shape.name} "
+                              f"(its real depth), got {self.n_layer}")
         if self.seed < 0 or self.seed >= 2**63:
             raise ConfigError(f"--seed must be in [0, 2^63), got {self.seed}")
         gamma = self.route_drift
@@ -998,6 +1000,7 @@ def _cmd_synth(args: argparse.Namespace) -> int:
     skew = args.skew and get_shape(args.like).name in ROUTING_PROFILES
     spec = SynthSpec(like=args.like, n_layer=args.layers, wtype=args.wtype, seed=args.seed,
                      skew=skew, n_expert_used=args.experts_used, route_drift=args.route_drift)
+    spec.validate()  # the flags first: a bad one is named before the output path is looked at
     check_new_file(args.out, "synth", force=args.force)
     check_destination(args.out, total_bytes(spec), reclaimable_bytes(args.out))
     make_room(args.out, "synth")  # everything checked: only now is a --force'd file replaced

@@ -1,0 +1,41 @@
+"""Small user-facing defects of the command line found by an audit, one test each: a flag out of
+range refused before anything is written, flags that do nothing said so, errors in the command
+line's words, numbers and budgets printed so they can be told apart."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bmoe.errors import ConfigError
+from bmoe.synth.big import SynthSpec
+
+
+def bmoe(*args: str, cwd: Path | None = None, stdin: bytes | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "bmoe.cli", *args], capture_output=True, text=True,
+                          timeout=120, cwd=cwd, input=stdin)
+
+
+def one_line(proc: subprocess.CompletedProcess[str], status: int) -> str:
+    assert proc.returncode == status, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bmoe: error: "), proc.stderr
+    return lines[0]
+
+
+# --- 1: synth --layers above the real depth ------------------------------------------------------
+
+
+def test_synth_refuses_more_layers_than_the_real_model_before_writing(tmp_path: Path) -> None:
+    # The flags are checked before the output path: a folder that does not exist means that a
+    # regression is refused for the folder instead (this test fails) rather than writing 17 GB.
+    out = tmp_path / "missing" / "s.gguf"
+    line = one_line(bmoe("synth", str(out), "--like", "qwen3-30b-a3b", "--layers", "49"), 1)
+    assert "--layers must be in [1, 48] for qwen3-30b-a3b" in line and "got 49" in line, line
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(ConfigError, match=r"\[1, 48\]"):
+        SynthSpec(like="qwen3-30b-a3b", n_layer=49).validate()
+    SynthSpec(like="qwen3-30b-a3b", n_layer=48).validate()  # the real depth itself is fine
