@@ -12,6 +12,7 @@ import pytest
 
 from bmoe.errors import ConfigError
 from bmoe.synth.big import SynthSpec
+from bmoe.synth.tiny import TinySpec
 
 
 def bmoe(*args: str, cwd: Path | None = None, stdin: bytes | None = None) -> subprocess.CompletedProcess[str]:
@@ -39,3 +40,28 @@ def test_synth_refuses_more_layers_than_the_real_model_before_writing(tmp_path: 
     with pytest.raises(ConfigError, match=r"\[1, 48\]"):
         SynthSpec(like="qwen3-30b-a3b", n_layer=49).validate()
     SynthSpec(like="qwen3-30b-a3b", n_layer=48).validate()  # the real depth itself is fine
+
+
+# --- 2: a ceiling below the budget, and cache flags with the cache off --------------------------
+
+
+def test_a_ceiling_below_the_budget_asked_is_refused(tiny) -> None:
+    line = one_line(bmoe("run", "-m", str(tiny.path(TinySpec())), "-p", "hi", "-n", "1",
+                         "--cache-mb", "100", "--cache-ceil-mb", "50"), 1)
+    assert "--cache-ceil-mb 50 is below --cache-mb 100" in line, line
+
+
+@pytest.mark.parametrize("flags,warning", [
+    (("--cache-ceil-mb", "50"), "--cache-ceil-mb does nothing with the cache off"),
+    (("--cache-mb", "1", "--cache-ceil-mb", "50"), "--cache-ceil-mb does nothing with a fixed --cache-mb"),
+    (("--cache-profile", "PROFILE"), "--cache-profile seeds no cache with the cache off"),
+])
+def test_cache_flags_that_do_nothing_are_warned_about(tiny, tmp_path: Path, flags: tuple[str, ...],
+                                                      warning: str) -> None:
+    flags = tuple(str(tmp_path / "p.json") if f == "PROFILE" else f for f in flags)
+    base = ("run", "-m", str(tiny.path(TinySpec())), "-p", "hi", "-n", "1", "-c", "256", *flags)
+    proc = bmoe(*base)
+    assert proc.returncode == 0, proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("bmoe: warning: ")]
+    assert len(warnings) == 1 and warning in warnings[0], proc.stderr
+    assert "bmoe: warning:" not in bmoe(*base, "-q").stderr

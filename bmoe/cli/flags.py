@@ -206,9 +206,22 @@ def _verbosity_flags(p: argparse.ArgumentParser, top: bool = False) -> None:
                    help="no banner, warnings or summaries on stderr: only the text and errors")
 
 
+def _check_ceiling(args: argparse.Namespace) -> None:
+    """A ceiling below the fixed budget asked for: the budget would quietly be the ceiling, not what
+    ``--cache-mb`` says, so the pair is refused rather than one of them ignored."""
+    mb, ceil = args.cache_mb, args.cache_ceil_mb
+    if args.mode != "resident" and mb and ceil is not None and ceil < mb:
+        raise ConfigError(f"--cache-ceil-mb {ceil:g} is below --cache-mb {mb:g}: the cache would be capped at "
+                          f"{ceil:g} MiB, not the {mb:g} asked; give the budget with --cache-mb alone "
+                          "(the ceiling caps --cache-mb auto)")
+
+
 def _warn_ignored(args: argparse.Namespace) -> None:
     """Say so when a flag given does nothing in the chosen mode, rather than ignoring it silently."""
-    if args.mode != "resident" or getattr(args, "quiet", False):
+    if getattr(args, "quiet", False):
+        return
+    if args.mode != "resident":
+        _warn_ignored_cache(args)
         return
     given = [flag for flag, on in (
         ("--cache-mb", args.cache_mb != 0), ("--cache-ceil-mb", args.cache_ceil_mb is not None),
@@ -219,6 +232,16 @@ def _warn_ignored(args: argparse.Namespace) -> None:
     if given:
         print(f"bmoe: warning: {', '.join(given)} {'does' if len(given) == 1 else 'do'} nothing with --resident "
               "(nothing is streamed)", file=sys.stderr)
+
+
+def _warn_ignored_cache(args: argparse.Namespace) -> None:
+    """The cache's flags that do nothing with the budget given (streamed runs)."""
+    if args.cache_ceil_mb is not None and args.cache_mb is not None:  # a ceiling caps auto only
+        how = "with the cache off (--cache-mb 0)" if args.cache_mb == 0 else "with a fixed --cache-mb"
+        print(f"bmoe: warning: --cache-ceil-mb does nothing {how}: it caps --cache-mb auto", file=sys.stderr)
+    if args.cache_profile is not None and args.cache_mb == 0:
+        print("bmoe: warning: --cache-profile seeds no cache with the cache off (--cache-mb 0): it only records "
+              "this run's routing to the file", file=sys.stderr)
 
 
 # RunConfig / SamplingParams field names as the command line spells them: their errors name the
@@ -243,6 +266,7 @@ def _in_flags(exc: ConfigError) -> ConfigError:
 
 
 def _config(args: argparse.Namespace) -> RunConfig:
+    _check_ceiling(args)
     _warn_ignored(args)
     try:
         return _run_config(args)
