@@ -65,3 +65,16 @@ def test_cache_flags_that_do_nothing_are_warned_about(tiny, tmp_path: Path, flag
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("bmoe: warning: ")]
     assert len(warnings) == 1 and warning in warnings[0], proc.stderr
     assert "bmoe: warning:" not in bmoe(*base, "-q").stderr
+
+
+# --- 3: an output flag given '-' ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command,flag", [("run", "--csv"), ("run", "--route-trace"), ("replay", "--csv")])
+def test_an_output_named_dash_is_refused_not_written(tiny, tmp_path: Path, command: str, flag: str) -> None:
+    model = str(tiny.path(TinySpec()))
+    argv = (("run", "-m", model, "-p", "hi", "-n", "1") if command == "run"
+            else ("replay", str(tmp_path / "t.route.csv"), "--cache-mb", "1"))
+    line = one_line(bmoe(*argv, flag, "-", cwd=tmp_path), 2)
+    assert f"bmoe {command}: {flag} -: standard output" in line, line
+    assert not (tmp_path / "-").exists()

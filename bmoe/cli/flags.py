@@ -319,7 +319,8 @@ def _input_files(args: argparse.Namespace) -> tuple[Path, ...]:
 def _check_outputs(args: argparse.Namespace, inputs: tuple[Path, ...], *flags: str) -> None:
     """Refuse, before anything is opened, any output flag that names an input (the model, or a
     prompt, grammar or schema file) or another output, or cannot be written: one file written by
-    two flags keeps only the last one's bytes."""
+    two flags keeps only the last one's bytes. ``-`` is refused too (status 2): it used to write a
+    file named ``-``, and standard output already carries the command's own output."""
     from bmoe.io.paths import check_output, is_stream
 
     inputs = (*inputs, *_input_files(args))
@@ -328,6 +329,11 @@ def _check_outputs(args: argparse.Namespace, inputs: tuple[Path, ...], *flags: s
         value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
         if value is None:
             continue
+        if str(value) == "-":  # not standard output: each command's own output is there already
+            from bmoe.cli.edge import UsageError
+
+            raise UsageError(f"bmoe {args.command}: {flag} -: standard output carries the command's own output; "
+                             f"give {flag} a file name")
         out = check_output(value, flag, inputs)
         if is_stream(out):  # /dev/null for two outputs, /dev/stdout and /dev/stderr on one terminal
             continue
