@@ -78,3 +78,19 @@ def test_an_output_named_dash_is_refused_not_written(tiny, tmp_path: Path, comma
     line = one_line(bmoe(*argv, flag, "-", cwd=tmp_path), 2)
     assert f"bmoe {command}: {flag} -: standard output" in line, line
     assert not (tmp_path / "-").exists()
+
+
+# --- 4: errors past the parser name the flags, not RunConfig's fields ----------------------------
+
+
+@pytest.mark.parametrize("argv,flag,field", [
+    (("quality", "MODEL", "--lossy", "--drop-cold-experts 0.5", "-n", "2", "--max-prompts", "1"),
+     "(--cache-mb)", "cache_bytes"),
+    (("quality", "MODEL", "--lossy", "--n-expert-used 9", "-n", "2", "--max-prompts", "1"),
+     "--n-expert-used must be", "n_expert_used"),
+    (("run", "-m", "MODEL", "-p", "hi", "-n", "1", "--n-expert-used", "9"), "--n-expert-used must be", "n_expert_used"),
+])
+def test_errors_found_at_open_name_the_flag(tiny, argv: tuple[str, ...], flag: str, field: str) -> None:
+    model = str(tiny.path(TinySpec()))
+    line = one_line(bmoe(*(model if a == "MODEL" else a for a in argv)), 1)
+    assert flag in line and field not in line, line

@@ -20,10 +20,10 @@ from bmoe.cli.edge import (
     _quiet_stdout,
     _standard_streams,
 )
-from bmoe.cli.flags import _verbosity_flags
+from bmoe.cli.flags import _in_flags, _verbosity_flags
 from bmoe.cli.replay import _replay_parser
 from bmoe.cli.run import _run_parser
-from bmoe.errors import BmoeError, first_error
+from bmoe.errors import BmoeError, ConfigError, first_error
 
 # Subcommands whose modules are heavy to import (numpy, gguf writers, the bench harness): their full
 # parser is registered only when the command line names them; otherwise a one-line entry keeps
@@ -109,11 +109,19 @@ def _apply_verbosity(args: argparse.Namespace) -> None:
         set_llama_log(True)
 
 
+# The commands whose flags spell RunConfig's fields (run, chat, serve, and quality's own and --lossy
+# flags): a ConfigError raised past their parsing (a lever checked against the file at open, say)
+# names the API's field, and is told to the user with the flag instead (``_in_flags``).
+_RUN_FLAG_COMMANDS = frozenset({"run", "chat", "serve", "quality"})
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    command = None
     try:
         _standard_streams()
         args = build_parser(argv).parse_args(argv)
+        command = args.command
         _check_usage(args)
         _apply_verbosity(args)
         status = args.func(args)
@@ -122,12 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     except BaseExceptionGroup as group:  # the CLI's own task groups (sinks beside a generation)
         exc = first_error(group)
         if isinstance(exc, Exception):
-            return _fail(exc)
+            return _fail(exc, command)
         if isinstance(exc, KeyboardInterrupt):
             return _interrupted()
         raise
     except Exception as exc:  # noqa: BLE001 - the last line of defence: one line, never a traceback
-        return _fail(exc)
+        return _fail(exc, command)
     except KeyboardInterrupt:
         return _interrupted()
 
@@ -146,7 +154,9 @@ def _interrupted() -> int:
     return 128 + signal.SIGINT
 
 
-def _fail(exc: Exception) -> int:
+def _fail(exc: Exception, command: str | None = None) -> int:
+    if isinstance(exc, ConfigError) and command in _RUN_FLAG_COMMANDS:
+        exc = _in_flags(exc)
     if isinstance(exc, Interrupted):
         print(f"bmoe: interrupted by {exc}; the output written so far is complete", file=sys.stderr)
         return 128 + exc.signum
