@@ -94,3 +94,36 @@ def test_errors_found_at_open_name_the_flag(tiny, argv: tuple[str, ...], flag: s
     model = str(tiny.path(TinySpec()))
     line = one_line(bmoe(*(model if a == "MODEL" else a for a in argv)), 1)
     assert flag in line and field not in line, line
+
+
+# --- 5: a subcommand's unknown words are its own usage error; bad flag values are status 2 --------
+
+
+@pytest.mark.parametrize("command", ["chat", "run"])
+def test_unrecognized_arguments_name_the_subcommand(tiny, command: str) -> None:
+    argv = ("-m", str(tiny.path(TinySpec())), *(("-p", "hi") if command == "run" else ()))
+    extra = ("--bogus", "x") if command == "run" else ("-p", "hi")
+    line = one_line(bmoe(command, *argv, *extra), 2)
+    assert line == f"bmoe: error: bmoe {command}: unrecognized arguments: {' '.join(extra)}", line
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (("inspect", "MODEL", "--ram", "-3"), "--ram"),
+    (("quality", "MODEL", "--lossy", "--n-expert-used 1", "--cache-mb", "nan"), "--cache-mb"),
+    (("quality", "MODEL", "--lossy", "--n-expert-used 1", "--max-prompts", "0"), "--max-prompts"),
+    (("quality", "MODEL", "--lossy", "--n-expert-used 1", "-n", "1"), "--tokens"),
+    (("replay", "TRACE", "--cache-mb", "1", "--policy", "lru,bogus"), "--policy"),
+    (("replay", "TRACE", "--cache-mb", "1", "--overlap", "bogus"), "--overlap"),
+])
+def test_bad_flag_values_are_usage_errors(tiny, tmp_path: Path, argv: tuple[str, ...], flag: str) -> None:
+    model, trace = str(tiny.path(TinySpec())), str(tmp_path / "t.route.csv")
+    line = one_line(bmoe(*({"MODEL": model, "TRACE": trace}.get(a, a) for a in argv)), 2)
+    assert f"bmoe {argv[0]}: argument " in line and flag in line, line
+
+
+# --- 9: inspect --ram is in GiB, and says so ----------------------------------------------------
+
+
+def test_inspect_ram_says_gib() -> None:
+    proc = bmoe("inspect", "--help")
+    assert proc.returncode == 0 and "--ram GiB" in proc.stdout and "--ram GB" not in proc.stdout, proc.stdout

@@ -134,7 +134,7 @@ def test_stop_takes_the_escapes_of_llama_cpps_command_line() -> None:
 @pytest.mark.parametrize("flags", [("--io-threads", "0"), ("--io-threads", "-3"), ("--ram", "-1"), ("--ram", "inf"),
                                    ("--compute-gbs", "nan")])
 def test_inspect_numbers_out_of_range_are_one_line(tiny, flags: tuple[str, str]) -> None:
-    line = one_line(bmoe("inspect", str(tiny.path(TinySpec())), *flags), 1)
+    line = one_line(bmoe("inspect", str(tiny.path(TinySpec())), *flags), 2)  # refused by the parser
     assert flags[0] in line
 
 

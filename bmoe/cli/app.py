@@ -73,6 +73,18 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"bmoe: error: {self.prog}: {message}\n")
 
 
+class _Command(_Parser):
+    """A subcommand's parser. argparse leaves the words a subcommand does not know to the top-level
+    parser, which refused them as its own ("bmoe: unrecognized arguments: -p hi" for ``bmoe chat``):
+    the subcommand refuses them itself, so the message names it as its other usage errors do."""
+
+    def parse_known_args(self, args=None, namespace=None):  # noqa: ANN001, ANN201 - argparse's signature
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -91,7 +103,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser.add_argument("--list-archs", action=_ListArchs)
     parser.add_argument("--version", action="version", version=_version())
     _verbosity_flags(parser, top=True)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Command)
     _run_parser(sub)
     _chat_parser(sub)
     _replay_parser(sub)

@@ -27,7 +27,7 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("trace", type=Path, help="route_trace v1 or v2 file")
     p.add_argument("-m", "--model", type=Path, default=None, help="read real bytes from this model")
     p.add_argument("--cache-mb", type=_mb_list, required=True, help="budgets, e.g. 500,1000,2000")
-    p.add_argument("--policy", type=lambda s: s.split(","), default=["default"], help="e.g. lru,default,opt")
+    p.add_argument("--policy", type=_policies, default=["default"], help="e.g. lru,default,opt")
     p.add_argument("--io", choices=("real", "sim"), default=None,
                    help="real reads from -m, or reads modelled from a probe of this disk (default: real with -m)")
     p.add_argument("--timing", choices=("model", "measure"), default=None,
@@ -35,7 +35,7 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
                         "default for --io sim); measure: run the stages in modelled real time (--io real"
                         " always measures)")
     p.add_argument("--io-threads", type=_io_threads, default=2)
-    p.add_argument("--overlap", type=lambda s: s.split(","), default=["none"],
+    p.add_argument("--overlap", type=_overlaps, default=["none"],
                    help="none,tensor,expert: modelled overlap of reads with the expert matmuls")
     p.add_argument("--compute-ms-per-layer", type=_number(float, 0, 1e6, "milliseconds"), default=1.0,
                    help="modelled compute per layer when the trace has no timings")
@@ -43,6 +43,27 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--csv", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None, help="PNG of hit %% and tok/s against budget")
     p.set_defaults(func=_cmd_replay)
+
+
+def _names(text: str, known: tuple[str, ...], what: str) -> list[str]:
+    names = text.split(",")
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(map(repr, bad))} (known: {', '.join(known)})")
+    return names
+
+
+def _policies(text: str) -> list[str]:
+    """Imported at parse time, and only when the flag is given (``bmoe --help`` stays light)."""
+    from bmoe.pipeline.policies import POLICIES
+
+    return _names(text, tuple(POLICIES), "cache policy")
+
+
+def _overlaps(text: str) -> list[str]:
+    from bmoe.engine.replay import OVERLAP_MODES
+
+    return _names(text, tuple(OVERLAP_MODES), "overlap")
 
 
 def _mb_list(text: str) -> list[float]:
@@ -57,7 +78,7 @@ def _mb_list(text: str) -> list[float]:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from bmoe.engine.replay import OVERLAP_MODES, ComputeModel, model_replay, replay
+    from bmoe.engine.replay import ComputeModel, model_replay, replay
     from bmoe.io.probe import cached_probe
     from bmoe.io.validate import open_layout
     from bmoe.pipeline.trace import read_trace
@@ -76,9 +97,6 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     trace = read_trace(args.trace)
     layout = open_layout(args.model) if io == "real" else None
     compute = ComputeModel(trace.timing, args.compute_ms_per_layer / 1e3)
-    bad = [o for o in args.overlap if o not in OVERLAP_MODES]
-    if bad:
-        raise ConfigError(f"--overlap takes {', '.join(OVERLAP_MODES)}; got {', '.join(bad)}")
     results = []
     probe = None
     if timing == "model":
