@@ -127,3 +127,18 @@ def test_bad_flag_values_are_usage_errors(tiny, tmp_path: Path, argv: tuple[str,
 def test_inspect_ram_says_gib() -> None:
     proc = bmoe("inspect", "--help")
     assert proc.returncode == 0 and "--ram GiB" in proc.stdout and "--ram GB" not in proc.stdout, proc.stdout
+
+
+# --- 6: range errors print their bounds as plain numbers ----------------------------------------
+
+
+@pytest.mark.parametrize("argv,bounds", [
+    (("run", "-m", "MODEL", "-p", "hi", "-n", "-1"), "from 1 to 1048576"),
+    (("run", "-m", "MODEL", "-p", "hi", "--cache-mb", "1e20"), "(0 to 1073741824)"),
+    (("run", "-m", "MODEL", "-p", "hi", "--cache-ceil-mb", "-1"), "from 0 to 1073741824"),
+    (("replay", "MODEL", "--cache-mb", "1,x"), "(0 to 1073741824)"),
+    (("replay", "MODEL", "--cache-mb", "1", "--compute-ms-per-layer", "-1"), "from 0 to 1000000"),
+])
+def test_range_errors_print_plain_numbers(tiny, argv: tuple[str, ...], bounds: str) -> None:
+    line = one_line(bmoe(*(str(tiny.path(TinySpec())) if a == "MODEL" else a for a in argv)), 2)
+    assert bounds in line and "e+" not in line, line

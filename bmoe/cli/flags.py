@@ -29,6 +29,11 @@ class _Help(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+def _plain(x: float) -> str:
+    """A bound as typed, never in exponent form (``1048576``, not ``1.04858e+06``)."""
+    return str(int(x)) if float(x).is_integer() else f"{x:f}".rstrip("0")
+
+
 def _number(kind: type, lo: float, hi: float, what: str):  # noqa: ANN202 - an argparse type
     """An argparse type: a finite ``kind`` in [lo, hi], refused at parse time otherwise (``nan``,
     ``inf`` and ``1e308`` used to reach the run and end in a traceback)."""
@@ -39,7 +44,7 @@ def _number(kind: type, lo: float, hi: float, what: str):  # noqa: ANN202 - an a
         except (ValueError, OverflowError):
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
         if not math.isfinite(value) or not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"expected {what} from {lo:g} to {hi:g}, got {text!r}")
+            raise argparse.ArgumentTypeError(f"expected {what} from {_plain(lo)} to {_plain(hi)}, got {text!r}")
         return value
 
     parse.__name__ = what  # argparse names the type in its messages
@@ -61,7 +66,7 @@ def _cache_mb(text: str) -> float | None:
     try:
         return _mib(text)
     except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected a number of MiB (0 to {MAX_MIB:g}) or 'auto', got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a number of MiB (0 to {_plain(MAX_MIB)}) or 'auto', got {text!r}") from None
 
 
 def _model_flag(p: argparse.ArgumentParser) -> None:

@@ -16,6 +16,7 @@ from bmoe.cli.flags import (
     _mib,
     _model_files,
     _number,
+    _plain,
 )
 from bmoe.engine.config import MiB
 from bmoe.errors import ConfigError
@@ -71,7 +72,7 @@ def _mb_list(text: str) -> list[float]:
         values = [_mib(x) for x in text.split(",")]
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
-            f"expected MiB values (0 to {MAX_MIB:g}) like 500,1000, got {text!r}") from None
+            f"expected MiB values (0 to {_plain(MAX_MIB)}) like 500,1000, got {text!r}") from None
     if len(values) > 1000:
         raise argparse.ArgumentTypeError(f"at most 1000 budgets, got {len(values)}")
     return values
