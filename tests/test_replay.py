@@ -174,3 +174,21 @@ def test_replay_cli_models_time_by_default_for_sim(traced, tmp_path: Path, monke
          "--cache-mb", "1"], capture_output=True, text=True, timeout=120,
     )
     assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "--timing model" in bad.stderr
+
+
+def test_replay_rows_label_budgets_and_policies_as_given(traced, tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """Sub-MiB budgets were rounded (0 and 0.5 both '0 MiB', 1.5 '2 MiB') and ``default`` printed
+    as the ``adaptive`` it resolves to."""
+    _, trace_path, _ = traced
+    local = tmp_path / "trace.route.csv"
+    local.write_bytes(trace_path.read_bytes())
+    _seed_probe(tmp_path, monkeypatch, max(read_trace(trace_path).expert_bytes.values()))
+    proc = subprocess.run(
+        [sys.executable, "-m", "bmoe.cli", "replay", str(local), "--io", "sim", "--cache-mb", "0,0.5,1,1.5",
+         "--policy", "default"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = proc.stdout.splitlines()
+    assert [r.split()[2] for r in rows] == ["0", "0.5", "1", "1.5"], rows
+    assert all(r.split()[0] == "default" for r in rows), rows

@@ -99,6 +99,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     layout = open_layout(args.model) if io == "real" else None
     compute = ComputeModel(trace.timing, args.compute_ms_per_layer / 1e3)
     results = []
+    policy_width = max(8, *map(len, args.policy))
     probe = None
     if timing == "model":
         probe = cached_probe(args.trace.resolve().parent, max(trace.expert_bytes.values(), default=0) or 4096,
@@ -115,7 +116,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
                                           sim_dir=args.trace.resolve().parent))
                 results.append(r.as_dict())
                 if not args.json:
-                    print(_replay_row(r.as_dict()), flush=True)
+                    print(_replay_row(r.as_dict(), policy, mb, policy_width), flush=True)
     clock = ("the modelled decode time (no sleeps)" if timing == "model"
              else "the replay's decode wall time")
     how = (f"compute: {compute.describe()}; reads: {results[0]['io'] if results else io}; hit % = hits / "
@@ -132,11 +133,13 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
-def _replay_row(r: dict) -> str:
+def _replay_row(r: dict, policy: str, mb: float, policy_width: int = 8) -> str:
+    """One result as a row, labelled with the policy's name and the budget as the user gave them:
+    ``default`` (not the ``adaptive`` it resolves to), and 0.5 MiB (not ``0``, as 0 and 1.5 as 2 were)."""
     def num(v: float | None, fmt: str) -> str:
         return "unmeasured" if v is None else format(v, fmt)
 
-    return (f"{r['policy']:>8} {r['overlap']:>6} {r['cache_mb']:>8.0f} MiB  decode hit {num(r['decode_hit_pct'], '5.1f')}%  "
+    return (f"{policy:>{policy_width}} {r['overlap']:>6} {_plain(mb):>8} MiB  decode hit {num(r['decode_hit_pct'], '5.1f')}%  "
             f"all {num(r['hit_pct'], '5.1f')}%  read {r['bytes_read'] / MiB:9.1f} MiB  "
             f"{num(r['tok_per_s'], '7.2f')} tok/s")
 
