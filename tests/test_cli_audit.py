@@ -142,3 +142,16 @@ def test_inspect_ram_says_gib() -> None:
 def test_range_errors_print_plain_numbers(tiny, argv: tuple[str, ...], bounds: str) -> None:
     line = one_line(bmoe(*(str(tiny.path(TinySpec())) if a == "MODEL" else a for a in argv)), 2)
     assert bounds in line and "e+" not in line, line
+
+
+# --- 8: inspect's forecast shows sub-MiB budgets with a decimal ----------------------------------
+
+
+def test_inspect_forecast_budgets_below_a_mib_are_not_zero(tiny) -> None:
+    proc = bmoe("inspect", str(tiny.path(TinySpec())), "--ram", "4")  # a 1.5 MiB expert bank
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    rows = lines[[i for i, line in enumerate(lines) if "forecast" in line][0] + 1:]
+    budgets = {" ".join(r.split()[:-8]): r.split()[-8] for r in rows}
+    assert budgets["cache off"] == "0", rows
+    assert budgets["quarter bank"] == "0.4" and budgets["whole bank"] == "1.5", rows
