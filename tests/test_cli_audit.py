@@ -155,3 +155,20 @@ def test_inspect_forecast_budgets_below_a_mib_are_not_zero(tiny) -> None:
     budgets = {" ".join(r.split()[:-8]): r.split()[-8] for r in rows}
     assert budgets["cache off"] == "0", rows
     assert budgets["quarter bank"] == "0.4" and budgets["whole bank"] == "1.5", rows
+
+
+# --- 10: chat's /stats counts in the singular and the plural -------------------------------------
+
+
+def test_chat_stats_says_one_reply_not_one_replies() -> None:
+    from types import SimpleNamespace
+
+    from bmoe.cli.chat import _chat_stats
+
+    usage = SimpleNamespace(prompt_tokens=1, prompt_evaluated=1, prompt_reused=0)
+    session = SimpleNamespace(last_stats=None, last_usage=usage)
+    one = _chat_stats(session, {"replies": 1, "tokens": 1, "prompt": 1, "reused": 0})
+    assert one.splitlines() == ["last prompt: 1 token, 1 evaluated, 0 reused from the context",
+                                "session: 1 reply, 1 token generated, 0 of 1 prompt token reused"], one
+    two = _chat_stats(session, {"replies": 2, "tokens": 9, "prompt": 30, "reused": 12})
+    assert two.splitlines()[-1] == "session: 2 replies, 9 tokens generated, 12 of 30 prompt tokens reused", two

@@ -234,11 +234,16 @@ def _chat_stats(session, totals: dict[str, int]) -> str:  # noqa: ANN001
     if stats is not None:
         lines.append("last reply: " + _summary({"n_tokens": stats.generated_tokens, **stats.as_dict()}))
     usage = session.last_usage
+
+    def count(n: int, one: str, many: str) -> str:
+        return f"{n} {one if n == 1 else many}"
+
     if usage is not None:
-        lines.append(f"last prompt: {usage.prompt_tokens} tokens, {usage.prompt_evaluated} evaluated, "
-                     f"{usage.prompt_reused} reused from the context")
-    lines.append(f"session: {totals['replies']} replies, {totals['tokens']} tokens generated, "
-                 f"{totals['reused']} of {totals['prompt']} prompt tokens reused")
+        lines.append(f"last prompt: {count(usage.prompt_tokens, 'token', 'tokens')}, {usage.prompt_evaluated} "
+                     f"evaluated, {usage.prompt_reused} reused from the context")
+    lines.append(f"session: {count(totals['replies'], 'reply', 'replies')}, "
+                 f"{count(totals['tokens'], 'token', 'tokens')} generated, {totals['reused']} of "
+                 f"{count(totals['prompt'], 'prompt token', 'prompt tokens')} reused")
     return "\n".join(lines)
 
 
