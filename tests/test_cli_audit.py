@@ -172,3 +172,18 @@ def test_chat_stats_says_one_reply_not_one_replies() -> None:
                                 "session: 1 reply, 1 token generated, 0 of 1 prompt token reused"], one
     two = _chat_stats(session, {"replies": 2, "tokens": 9, "prompt": 30, "reused": 12})
     assert two.splitlines()[-1] == "session: 2 replies, 9 tokens generated, 12 of 30 prompt tokens reused", two
+
+
+# --- 11: the README sends no one to a file the repository does not hold --------------------------
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_readme_points_inside_the_repository_and_names_the_shards_make_tiny_writes() -> None:
+    text = README.read_text()
+    assert "../" not in text  # a clone holds nothing beside itself
+    shard_lines = [line for line in text.splitlines() if line.startswith("bmoe make-tiny") and "--shards" in line]
+    assert shard_lines
+    for line in shard_lines:  # make-tiny OUT --shards N writes OUT-00001-of-0000N.gguf, never OUT itself
+        out, n = line.split()[2], int(line.split("--shards")[1].split()[0])
+        assert f"{out.removesuffix('.gguf')}-00001-of-{n:05d}.gguf" in line, line
