@@ -46,7 +46,7 @@ def test_chat_in_a_terminal(tiny) -> None:
     chat.expect_exact("[stopped]")
     chat.expect_exact(PROMPT)
     chat.sendline("/stats")
-    chat.expect(r"session: 1 replies, (\d+) tokens generated")
+    chat.expect(r"session: 1 reply, (\d+) tokens? generated")
     assert 0 < int(chat.match.group(1)) < 3000, "the reply was stopped"
     chat.expect_exact(PROMPT)
     chat.send("half a line")
@@ -72,4 +72,4 @@ def test_prompts_go_to_stderr_when_stdout_is_redirected(tiny) -> None:
                           input="\nhello\n/stats\n", capture_output=True, text=True, timeout=GUARD_S)
     assert proc.returncode == 0, proc.stderr
     assert "> " not in proc.stdout and proc.stderr.count("> ") == 4
-    assert re.search(r"session: 1 replies", proc.stderr) and "Traceback" not in proc.stderr
+    assert re.search(r"session: 1 reply,", proc.stderr) and "Traceback" not in proc.stderr

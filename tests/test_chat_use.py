@@ -182,7 +182,7 @@ def test_esc_enter_starts_a_new_line_of_the_same_message(qwen3) -> None:
     chat.expect_exact(ENTERED)
     chat.expect_exact(PROMPT)
     chat.sendline("/stats")
-    chat.expect_exact("session: 1 replies")
+    chat.expect_exact("session: 1 reply,")
     chat.expect_exact(PROMPT)
     leave(chat)
 
