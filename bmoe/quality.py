@@ -249,7 +249,8 @@ def _table(r: dict) -> str:
 
     e, lo = r["exact"], r["lossy_run"]
     return "\n".join([
-        f"{r['model']}: {r['prompts']} prompts x {r['tokens_per_prompt']} tokens ({r['positions']} positions)",
+        f"{r['model']}: {r['prompts']} prompt{'' if r['prompts'] == 1 else 's'} x {r['tokens_per_prompt']} tokens "
+        f"({r['positions']} positions)",
         f"  exact                     {num(e['tok_per_s'], '8.2f')} tok/s",
         f"  LOSSY {r['lossy_flags']:<20}{num(lo['tok_per_s'], '8.2f')} tok/s   "
         f"agreement {num(r['agreement_pct'], '.1f')}%   KL mean {num(r['kl_mean'], '.4f')} max {num(r['kl_max'], '.4f')} nats",

@@ -1,7 +1,7 @@
 """The package map, enforced: every module's imports point down the layer order, and no two
 modules import each other, directly or round a longer loop.
 
-The order is written once, here (``LAYERS``), and drawn in ``../shared/DESIGN.md``. Every import
+The order is written once, here (``LAYERS``), and drawn in the design notes (``DESIGN.md``, kept beside the repository). Every import
 counts, including those inside functions and under ``TYPE_CHECKING``: a lazy upward import is
 still an upward dependency.
 """

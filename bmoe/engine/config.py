@@ -143,7 +143,7 @@ class RunConfig:
         if not 0 <= self.prefetch_layers <= 64:
             raise ConfigError(f"prefetch_layers must be 0..64 layers ahead, got {self.prefetch_layers}")
         if self.prefetch_layers and (self.mode != "stream" or self.cache_bytes == 0):
-            raise ConfigError("prefetch reads ahead into the expert cache: stream with a cache budget")
+            raise ConfigError("prefetch_layers reads ahead into the expert cache: stream with a cache budget")
         if self.prewarm and (self.mode != "stream" or self.cache_bytes == 0 or not self.cache_profile):
             raise ConfigError("prewarm reads a cache profile's experts into the cache: it needs streaming, a cache "
                               "budget and a cache profile (--cache-profile)")
