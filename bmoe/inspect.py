@@ -34,6 +34,7 @@ from pathlib import Path
 
 from gguf import GGMLQuantizationType
 
+from bmoe.argtypes import checked
 from bmoe.engine.loader import choose_open_mode
 from bmoe.io.layout import ModelLayout, block_of
 from bmoe.io.probe import ProbeResult, cache_dir, cached_probe
@@ -275,33 +276,16 @@ def render(r: Report) -> str:
     return "\n".join(lines)
 
 
-def _flag_value(kind: type, ok, what: str):  # noqa: ANN001, ANN202 - an argparse type
-    """An argparse type: a ``kind`` for which ``ok`` holds, else refused by the parser (status 2, as
-    every bad flag value of the command line)."""
-
-    def parse(text: str) -> int | float:
-        try:
-            value = kind(text)
-        except (ValueError, OverflowError):
-            value = None
-        if value is None or not ok(value):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
-        return value
-
-    parse.__name__ = what
-    return parse
-
-
 def add_inspect_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("inspect", help="what a model is and how it would run here (index only)")
     p.add_argument("model", type=Path)
-    p.add_argument("--ram", type=_flag_value(float, lambda v: 0 < v < math.inf, "a positive number of GiB"),
+    p.add_argument("--ram", type=checked(float, lambda v: 0 < v < math.inf, "a positive number of GiB"),
                    default=None, metavar="GiB", help="RAM to plan for, in GiB (default: MemAvailable)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--probe", action="store_true", help="measure the device's read rate (cached) if unknown")
-    p.add_argument("--io-threads", type=_flag_value(int, lambda v: 1 <= v <= 64, "1 to 64 read lanes"),
+    p.add_argument("--io-threads", type=checked(int, lambda v: 1 <= v <= 64, "1 to 64 read lanes"),
                    default=DEFAULT_LANES, help="read lanes the forecast assumes")
-    p.add_argument("--compute-gbs", type=_flag_value(float, lambda v: 0 < v < math.inf, "a positive rate"),
+    p.add_argument("--compute-gbs", type=checked(float, lambda v: 0 < v < math.inf, "a positive rate"),
                    default=None, help="measured compute rate (GB/s of weights)")
     p.set_defaults(func=_cmd_inspect)
     return p

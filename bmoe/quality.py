@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bmoe.argtypes import number
 from bmoe.engine.aio import run as run_async
 from bmoe.engine.config import MiB, RunConfig
 from bmoe.engine.lossy import lossy_label, parse_lossy
@@ -174,24 +175,6 @@ def _check_finite(logits: np.ndarray, side: str, prompt: int) -> None:
 # --- the command -------------------------------------------------------------------------------
 
 
-def _flag_value(kind: type, lo: float, hi: float, what: str):  # noqa: ANN202 - an argparse type
-    """An argparse type: a finite ``kind`` in [lo, hi], else refused by the parser (status 2, as
-    every bad flag value of the command line; a NaN budget used to end as an internal error)."""
-
-    def parse(text: str) -> int | float:
-        try:
-            value = kind(text)
-        except (ValueError, OverflowError):
-            value = None
-        if value is None or not lo <= value <= hi:  # NaN compares false
-            raise argparse.ArgumentTypeError(f"expected {what} from {lo:.0f} to {hi:.0f}, got {text!r}")
-        return value
-
-    parse.__name__ = what
-    return parse
-
-
-
 def add_quality_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "quality", help="measure a lossy lever: agreement and KL vs the exact run, and tok/s of both",
@@ -200,21 +183,21 @@ def add_quality_command(subparsers: argparse._SubParsersAction) -> argparse.Argu
     p.add_argument("model", type=Path, help="GGUF file (shard 1 of a split set)")
     p.add_argument("--lossy", required=True, metavar='"FLAGS"',
                    help='the lever flags of the lossy run, e.g. "--n-expert-used 4"')
-    p.add_argument("-n", "--tokens", type=_flag_value(int, 2, 1 << 20, "a number of tokens"), default=16,
+    p.add_argument("-n", "--tokens", type=number(int, 2, 1 << 20, "a number of tokens"), default=16,
                    help="tokens per prompt")
     p.add_argument("--prompts", type=Path, default=None,
                    help="prompt file, one a line (default: the shipped set)")
-    p.add_argument("--max-prompts", type=_flag_value(int, 1, 1 << 30, "a number of prompts"), default=None,
+    p.add_argument("--max-prompts", type=number(int, 1, 1 << 30, "a number of prompts"), default=None,
                    help="use only the first N prompts")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--stream", dest="mode", action="store_const", const="stream")
     mode.add_argument("--resident", dest="mode", action="store_const", const="resident")
-    p.add_argument("--cache-mb", type=_flag_value(float, 0, 1 << 30, "a number of MiB"), default=0.0,
+    p.add_argument("--cache-mb", type=number(float, 0, 1 << 30, "a number of MiB"), default=0.0,
                    help="expert cache budget of both runs (MiB)")
-    p.add_argument("--io-threads", type=_flag_value(int, 1, 64, "a number of I/O lanes"), default=2)
-    p.add_argument("-t", "--threads", type=_flag_value(int, 1, 512, "a thread count"), default=None,
+    p.add_argument("--io-threads", type=number(int, 1, 64, "a number of I/O lanes"), default=2)
+    p.add_argument("-t", "--threads", type=number(int, 1, 512, "a thread count"), default=None,
                    help="compute threads")
-    p.add_argument("-c", "--ctx", type=_flag_value(int, 16, 1 << 20, "a context length"), default=512,
+    p.add_argument("-c", "--ctx", type=number(int, 16, 1 << 20, "a context length"), default=512,
                    help="context length")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(mode="stream", func=run_quality_command)

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.pure  # no model, no llama.cpp: `pytest -m pure` runs t
 # Lowest first. Packages in one tuple are peers that must not import each other
 # (io and pipeline are both pure leaves; bench, server and inspect are separate applications).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("_version", "errors"),
+    ("_version", "errors", "argtypes"),
     ("io", "pipeline"),
     ("metrics",),
     ("stages",),

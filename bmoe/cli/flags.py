@@ -1,17 +1,18 @@
 """The flags several commands share, declared once, and their parsing into a RunConfig and
 SamplingParams: a bad value is refused at parse time, in one line, before any model is opened
-(``_number``: ``nan``, ``inf`` and ``1e308`` used to reach the run and end in a traceback)."""
+(``_number``, from ``bmoe.argtypes``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import sys
 from pathlib import Path
 
+from bmoe.argtypes import number as _number
+from bmoe.argtypes import plain as _plain
 from bmoe.engine.config import MiB, RunConfig
 from bmoe.errors import ConfigError, OutputPathError
 
@@ -27,28 +28,6 @@ class _Help(argparse.HelpFormatter):
                 or isinstance(action, argparse._StoreTrueAction) or not action.option_strings):
             return text
         return f"{text} (default: %(default)s)"
-
-
-def _plain(x: float) -> str:
-    """A bound as typed, never in exponent form (``1048576``, not ``1.04858e+06``)."""
-    return str(int(x)) if float(x).is_integer() else f"{x:f}".rstrip("0")
-
-
-def _number(kind: type, lo: float, hi: float, what: str):  # noqa: ANN202 - an argparse type
-    """An argparse type: a finite ``kind`` in [lo, hi], refused at parse time otherwise (``nan``,
-    ``inf`` and ``1e308`` used to reach the run and end in a traceback)."""
-
-    def parse(text: str) -> int | float:
-        try:
-            value = kind(text)
-        except (ValueError, OverflowError):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not math.isfinite(value) or not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"expected {what} from {_plain(lo)} to {_plain(hi)}, got {text!r}")
-        return value
-
-    parse.__name__ = what  # argparse names the type in its messages
-    return parse
 
 
 MAX_MIB = float(1 << 30)  # 1 PiB: beyond any machine; bounds the bytes computed from a budget
