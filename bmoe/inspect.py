@@ -44,6 +44,7 @@ from bmoe.pipeline.budget import (
     INTERPRETER_GROWTH,
     Needs,
     margin_bytes,
+    mib_text,
     read_meminfo,
     resolve_budget,
     transient_bytes,
@@ -237,15 +238,6 @@ def _mib(n: int) -> str:
     return f"{n / MiB:,.1f} MiB"
 
 
-def _budget_mib(n: int) -> str:
-    """A forecast's budget: whole MiB where that is exact or large, else with a decimal (on a small
-    model every budget below 1 MiB printed as ``0``, the cache-off one among them)."""
-    v = n / MiB
-    if n % MiB == 0 or v >= 100:
-        return f"{v:,.0f}"
-    return f"{v:.1f}" if v >= 0.1 else f"{v:.2g}"
-
-
 def render(r: Report) -> str:
     per = sorted(set(r.expert_bytes_per_layer.values()))
     lines = [
@@ -271,7 +263,7 @@ def render(r: Report) -> str:
     for f in r.forecasts:
         read_ms = f"{f.read_s * 1e3:8.1f}" if f.read_s is not None else "       -"
         tok = f"{f.tok_s:6.2f}" if f.tok_s is not None else "     -"
-        lines.append(f"                 {f.label:<12} {_budget_mib(f.budget_bytes):>9} MiB {f.hit_pct_prior:5.1f} "
+        lines.append(f"                 {f.label:<12} {mib_text(f.budget_bytes, grouped=True):>9} MiB {f.hit_pct_prior:5.1f} "
                      f"{f.read_bytes_per_token / MiB:9,.1f} MiB {read_ms} {f.compute_s * 1e3:10.1f}  {tok}")
     return "\n".join(lines)
 

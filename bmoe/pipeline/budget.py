@@ -77,8 +77,8 @@ class Needs:
     def describe(self) -> str:
         parts = (("dense in the file mapping", self.dense), ("KV + compute buffers untouched", self.buffers),
                  ("code", self.code), ("interpreter", self.interpreter), ("margin", self.margin))
-        return (" - ".join(f"{_mib(n)} MiB {what}" for what, n in parts)
-                + f" (the {_mib(self.transient)} MiB prefill union is held inside the cache)")
+        return (" - ".join(f"{mib_text(n)} MiB {what}" for what, n in parts)
+                + f" (the {mib_text(self.transient)} MiB prefill union is held inside the cache)")
 
 
 def transient_bytes(n_expert: int, n_expert_used: int, n_batch: int, max_entry_bytes: int) -> int:
@@ -99,12 +99,14 @@ def needs_from(
     )
 
 
-
-def _mib(nbytes: int | float) -> str:
-    """MiB as a reader needs them: whole from 100 MiB up, else one decimal unless whole (a small
-    model's 0.4 MiB bank read as 0)."""
+def mib_text(nbytes: int | float, grouped: bool = False) -> str:
+    """MiB as a reader needs them: whole where exact or from 100 MiB up, else with a decimal (two
+    significant digits below 0.1), so that a small model's 0.4 MiB bank does not read as 0.
+    ``grouped``: thousands separated (a table's column)."""
     v = nbytes / MiB
-    return f"{v:.0f}" if v >= 100 or v == round(v) else f"{v:.1f}"
+    if v >= 100 or v == round(v):
+        return f"{v:,.0f}" if grouped else f"{v:.0f}"
+    return f"{v:.1f}" if v >= 0.1 else f"{v:.2g}"
 
 
 def resolve_budget(
@@ -119,29 +121,29 @@ def resolve_budget(
 ) -> Budget:
     """``requested`` None means auto; an explicit number (0 = cache off) must fit, unless forced."""
     fit = needs.room(mem_available)
-    model = f"{_mib(mem_available)} MiB available - {needs.describe()} = {_mib(fit)} MiB"
+    model = f"{mib_text(mem_available)} MiB available - {needs.describe()} = {mib_text(fit)} MiB"
     warning = None
     if requested is not None:
         if requested < 0:
             raise BudgetError(f"cache budget must be >= 0, got {requested}")
-        budget, how = requested, f"{_mib(requested)} MiB as requested"
+        budget, how = requested, f"{mib_text(requested)} MiB as requested"
         if requested > expert_bank_bytes > 0:  # more than the bank can never be filled: say what runs
             budget = expert_bank_bytes
-            how = f"{_mib(budget)} MiB, the whole expert bank ({_mib(requested)} MiB asked)"
+            how = f"{mib_text(budget)} MiB, the whole expert bank ({mib_text(requested)} MiB asked)"
         if min(requested, expert_bank_bytes) > fit:
-            text = f"a {_mib(requested)} MiB cache does not fit in memory: {_mib(fit)} MiB would ({model})"
+            text = f"a {mib_text(requested)} MiB cache does not fit in memory: {mib_text(fit)} MiB would ({model})"
             if not force:
                 raise BudgetError(text + "; force it (--force) to run it anyway")
             warning = text + "; running it anyway (forced): expect the kernel to reclaim the dense weights"
     else:
         budget = min(fit, expert_bank_bytes)
-        how = f"auto: {model}, at most the {_mib(expert_bank_bytes)} MiB expert bank"
+        how = f"auto: {model}, at most the {mib_text(expert_bank_bytes)} MiB expert bank"
     if ceiling is not None and budget > ceiling:
-        budget, how = ceiling, how + f", capped at {_mib(ceiling)} MiB"
+        budget, how = ceiling, how + f", capped at {mib_text(ceiling)} MiB"
     if 0 < budget < working_set_bytes:
         below = (
-            f"cache budget {_mib(budget)} MiB is below one token's working set "
-            f"({_mib(working_set_bytes)} MiB = MoE layers x experts used x expert bytes): "
+            f"cache budget {mib_text(budget)} MiB is below one token's working set "
+            f"({mib_text(working_set_bytes)} MiB = MoE layers x experts used x expert bytes): "
             "an LRU cache then hits almost nothing"
         )
         warning = below if warning is None else f"{warning}; {below}"
