@@ -58,11 +58,10 @@ def sampling_from(
     min_p: float | None = None, repeat_penalty: float | None = None, presence_penalty: float | None = None,
     frequency_penalty: float | None = None, seed: int | None = None, grammar: str | None = None,
     response_format: Mapping[str, Any] | None = None, logprobs: int | None = None,
-    logit_bias: Mapping[str, float] | None = None, logprobs_param: str = "logprobs",
+    logit_bias: Mapping[str, float] | None = None,
 ) -> SamplingParams:
     """A SamplingParams from request-style arguments (None: the default; ``seed`` -1: a fresh one,
-    as llama.cpp spells it). ``logprobs_param`` is the request field that asked for logprobs (a
-    chat's ``top_logprobs``), named when its value is refused."""
+    as llama.cpp spells it). A chat's ``top_logprobs`` is checked by name before it gets here."""
     kw: dict[str, Any] = {}
     if seed == -1 and not isinstance(seed, bool):
         seed = None
@@ -79,12 +78,8 @@ def sampling_from(
     try:
         return SamplingParams(**kw)
     except ParamError as exc:
-        rename = {"json_schema": "response_format", "json_object": "response_format", "logprobs": logprobs_param}
-        param = rename.get(exc.param, exc.param)
-        message = str(exc)
-        if exc.param == "logprobs" and param != "logprobs":  # the message names the field the caller gave
-            message = message.replace("logprobs", param, 1)
-        raise ParamError(message, param) from None
+        rename = {"json_schema": "response_format", "json_object": "response_format"}
+        raise ParamError(str(exc), rename.get(exc.param, exc.param)) from None
 
 
 def _logit_bias(bias: Any) -> tuple[tuple[int, float], ...]:
@@ -283,8 +278,7 @@ def prepare_chat_completion(
     _one("top_logprobs", top_logprobs,  # OpenAI bounds it whether or not logprobs is asked for
          lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_LOGPROBS),
          f"must be an integer in [0, {MAX_LOGPROBS}], got {top_logprobs!r}")
-    params = sampling_from(logprobs=(top_logprobs or 0) if logprobs else None, logprobs_param="top_logprobs",
-                           **sampling)
+    params = sampling_from(logprobs=(top_logprobs or 0) if logprobs else None, **sampling)
     params.check_vocab(session.n_vocab)
     fmt = session.chat_format()
     prompt = fmt.render(messages_from(messages), chat_template_kwargs)
