@@ -318,9 +318,9 @@ def _check_outputs(args: argparse.Namespace, inputs: tuple[Path, ...], *flags: s
 
             raise UsageError(f"bmoe {args.command}: {flag} -: standard output carries the command's own output; "
                              f"give {flag} a file name")
-        out = check_output(value, flag, inputs)
-        if is_stream(out):  # /dev/null for two outputs, /dev/stdout and /dev/stderr on one terminal
+        if is_stream(value):  # /dev/null for two outputs, /dev/stdout and /dev/stderr on one terminal
             continue
+        out = check_output(value, flag, inputs)
         for other_flag, other in seen:
             if out.resolve() == other.resolve() or _same_file(out, other):
                 raise OutputPathError(f"{flag} and {other_flag} name the same file ({out}); give each its own")
