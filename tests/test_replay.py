@@ -4,6 +4,7 @@ run's counts, determinism, modelled reads, and the command line."""
 from __future__ import annotations
 
 import asyncio
+import csv
 import json
 import os
 import subprocess
@@ -192,3 +193,13 @@ def test_replay_rows_label_budgets_and_policies_as_given(traced, tmp_path: Path,
     rows = proc.stdout.splitlines()
     assert [r.split()[2] for r in rows] == ["0", "0.5", "1", "1.5"], rows
     assert all(r.split()[0] == "default" for r in rows), rows
+    as_json = subprocess.run(
+        [sys.executable, "-m", "bmoe.cli", "replay", str(local), "--io", "sim", "--cache-mb", "0.5,1",
+         "--policy", "default,lru", "--json", "--csv", str(tmp_path / "rows.csv")],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)},
+    )
+    assert as_json.returncode == 0, as_json.stderr
+    given = [(r["policy"], r["cache_mb"]) for r in json.loads(as_json.stdout)["results"]]
+    assert given == [("default", 0.5), ("default", 1), ("lru", 0.5), ("lru", 1)], given
+    with open(tmp_path / "rows.csv", newline="") as f:
+        assert [(r["policy"], float(r["cache_mb"])) for r in csv.DictReader(f)] == given

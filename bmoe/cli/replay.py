@@ -114,7 +114,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
                     r = _run(replay(trace, budget_bytes=int(mb * MiB), policy=policy, compute=compute,
                                           io_threads=args.io_threads, model=layout, overlap=overlap,
                                           sim_dir=args.trace.resolve().parent))
-                results.append(r.as_dict())
+                results.append({**r.as_dict(), "policy": policy, "cache_mb": mb})
                 if not args.json:
                     print(_replay_row(r.as_dict(), policy, mb, policy_width), flush=True)
     clock = ("the modelled decode time (no sleeps)" if timing == "model"
