@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import json as _json
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,8 +78,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         def finite(name: str, lo: float, hi: float) -> None:
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
-                raise ParamError(f"{name} must be a number in [{lo}, {hi}], got {v!r}", name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:  # NaN fails too
+                raise ParamError(f"{name} must be a number in [{lo}, {hi}], got {_clip(v)}", name)
 
         finite("temperature", 0.0, 100.0)
         finite("top_p", 0.0, 1.0)
@@ -91,13 +90,13 @@ class SamplingParams:
         for name, hi in (("top_k", 1 << 31), ("penalty_last_n", 1 << 20)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= hi:
-                raise ParamError(f"{name} must be an integer in [0, {hi}], got {v!r}", name)
+                raise ParamError(f"{name} must be an integer in [0, {hi}], got {_clip(v)}", name)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 0xFFFFFFFF):
-            raise ParamError(f"seed must be an integer in [0, 2**32 - 2], got {self.seed!r}", "seed")
+            raise ParamError(f"seed must be an integer in [0, 2**32 - 2], got {_clip(self.seed)}", "seed")
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ParamError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+            raise ParamError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {_clip(self.logprobs)}",
                              "logprobs")
         self._check_logit_bias()
         if sum(x is not None and x is not False for x in (self.grammar, self.json_schema, self.json_object)) > 1:
@@ -115,10 +114,13 @@ class SamplingParams:
         for pair in bias:
             ok = isinstance(pair, tuple) and len(pair) == 2
             token, value = pair if ok else (None, None)
+            # Compared, never converted: an int too large for a float (JSON allows 1e400 written
+            # out) raised OverflowError in math.isfinite; NaN fails the comparison as well.
             if (not ok or isinstance(token, bool) or not isinstance(token, int) or token < 0
                     or isinstance(value, bool) or not isinstance(value, (int, float))
-                    or not math.isfinite(value) or not -100 <= value <= 100):
-                raise ParamError(f"logit_bias entries are a token id >= 0 and a bias in [-100, 100], got {pair!r}",
+                    or not -100 <= value <= 100):
+                shown = _clip(pair)
+                raise ParamError(f"logit_bias entries are a token id >= 0 and a bias in [-100, 100], got {shown}",
                                  "logit_bias")
 
     def check_vocab(self, n_vocab: int) -> None:
@@ -172,6 +174,16 @@ class TokenLogprob:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...]
+
+
+def _clip(value: Any, width: int = 40) -> str:
+    """A refused value as an error shows it: its repr, cut to ``width`` characters (a JSON integer
+    can have thousands of digits)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's digit limit for str()
+        return "a number too large to show"
+    return text if len(text) <= width else f"{text[: width - 3]}..."
 
 
 def logprobs_of(logits: np.ndarray, token: int, n: int) -> TokenLogprob:
