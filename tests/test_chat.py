@@ -53,3 +53,32 @@ def test_a_message_too_long_for_the_context_is_refused_and_the_chat_goes_on(tiny
     assert "dropped the oldest turn" not in proc.stderr  # the history was left as it was
     assert "/think takes on or off" in proc.stderr
     assert len(re.findall(r"\] \d+ tokens, ", proc.stderr)) == 2, proc.stderr  # both other messages answered
+
+
+BOS_FIRST = ("{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+             "{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
+def test_a_template_that_writes_bos_gives_one_bos_not_two(tmp_path) -> None:  # noqa: ANN001
+    """Llama 4's and DeepSeek-V3's templates start with ``{{ bos_token }}``; the prompt is then
+    tokenized with BOS added, so the model saw BOS twice (llama.cpp drops the template's own)."""
+    from gguf import GGUFValueType
+    from gguf.gguf_writer import GGUFValue
+
+    from bmoe.engine.completions import prepare_chat_completion
+    from bmoe.engine.config import RunConfig
+    from bmoe.engine.sync import SyncSession
+    from bmoe.synth.tiny import write_tiny
+
+    def edit(w) -> None:  # noqa: ANN001
+        w.kv_data[0]["tokenizer.chat_template"] = GGUFValue(BOS_FIRST, GGUFValueType.STRING)
+
+    (path,) = write_tiny(tmp_path / "bos.gguf", TinySpec(), edit_metadata=edit)
+    with SyncSession.open(path, RunConfig(n_ctx=128)) as s:
+        bos = s.session.tokenize("", special=False)
+        assert len(bos) == 1, "this vocabulary adds BOS"
+        tokens = prepare_chat_completion(s.session, [{"role": "user", "content": "hi"}]).tokens
+        assert tokens[0] == bos[0] and tokens[1] != bos[0], tokens[:4]
+        assert s.session.chat_format().render([Message("user", "hi")]) == "[user] hi\n[assistant] "
+    # Without BOS added by the tokenizer, the template's own stays.
+    assert ChatFormat(BOS_FIRST.encode(), bos="<s>").render([Message("user", "hi")]).startswith("<s>[user]")

@@ -31,10 +31,14 @@ class Message:
 
 
 class ChatFormat:
-    def __init__(self, template: bytes | None, *, bos: str = "", eos: str = "", channels: bool = False) -> None:
+    def __init__(self, template: bytes | None, *, bos: str = "", eos: str = "", channels: bool = False,
+                 adds_bos: bool = False) -> None:
         """``channels``: the model answers in gpt-oss's channels (its architecture says so); a
-        template that writes ``<|channel|>`` says so too."""
+        template that writes ``<|channel|>`` says so too. ``adds_bos``: tokenizing the prompt puts
+        BOS first, so a template's own leading ``{{ bos_token }}`` is dropped from the text (as
+        llama.cpp's ``common_chat_templates_apply`` does): else the model would see BOS twice."""
         self._template = template
+        self._strip_bos = bos if adds_bos else ""
         self.channels = channels or (template is not None and b"<|channel|>" in template)
         self._jinja: Any = None
         self._special = {"bos_token": bos, "eos_token": eos}
@@ -66,13 +70,17 @@ class ChatFormat:
         if self._jinja is not None:
             text = self._render_jinja(messages, template_kwargs or {})
             if text is not None:
-                return text
+                return self._one_bos(text)
         if self._template is not None:
             text = self._apply(self._template, messages)
             if text is not None:
-                return text
+                return self._one_bos(text)
         lines = [f"{m.role}: {m.content}" for m in messages]
         return "\n".join(lines) + "\nassistant:"
+
+    def _one_bos(self, text: str) -> str:
+        bos = self._strip_bos
+        return text[len(bos):] if bos and text.startswith(bos) else text
 
     def _render_jinja(self, messages: Sequence[Message], kwargs: Mapping[str, Any]) -> str | None:
         try:

@@ -218,6 +218,10 @@ class LlamaModel:
             out.append(text.decode("utf-8", errors="replace") if text else "")
         return out[0], out[1]
 
+    def adds_bos(self) -> bool:
+        """Whether tokenizing with ``add_special`` puts BOS first (the vocabulary's own setting)."""
+        return bool(self._lib.llama_vocab_get_add_bos(self.vocab))
+
     def chat_template(self) -> bytes | None:
         return self._lib.llama_model_chat_template(self.model, None) or None
 

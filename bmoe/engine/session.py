@@ -317,7 +317,8 @@ class Session:
 
         model = self._live()
         bos, eos = model.special_text()
-        return ChatFormat(model.chat_template(), bos=bos, eos=eos, channels=self.layout.arch == "gpt-oss")
+        return ChatFormat(model.chat_template(), bos=bos, eos=eos, channels=self.layout.arch == "gpt-oss",
+                          adds_bos=model.adds_bos())
 
     async def stream(
         self, prompt: str | Sequence[int], max_tokens: int = 64, *, sampling: SamplingParams | None = None,
