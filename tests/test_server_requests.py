@@ -277,6 +277,19 @@ def test_text_offsets_follow_each_tokens_own_text_under_a_held_back_stop(served)
     assert held["logprobs"]["text_offset"] == want == free["logprobs"]["text_offset"]
 
 
+def test_top_logprobs_keep_every_token_and_the_chosen_one(served) -> None:
+    """Byte tokens (pieces of a UTF-8 character) all decoded to U+FFFD and overwrote each other:
+    20 asked gave 15 keys, the chosen token missing. They are named ``bytes:\\xNN`` now."""
+    url, _ = served
+    body = {"prompt": "Hello", "max_tokens": 12, "logprobs": 20, "temperature": 1.0, "seed": 3}
+    lp = post(url, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    for token, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        # Two tokens with the same text (the byte token for "=" and "=" itself) still share a key:
+        # a dict keyed by text cannot tell them apart.
+        assert len(top) >= 18 and top[token] == value, (token, value, top)
+    assert any(k.startswith("bytes:\\x") for top in lp["top_logprobs"] for k in top), "the tiny vocabulary has byte tokens"
+
+
 def test_schema_grammars_keep_control_characters_out_of_strings(served, tiny_path) -> None:
     # llama.cpp's own grammar sampler, steered hard towards a raw control character inside a string
     with Session.open(tiny_path, CONFIG) as s:

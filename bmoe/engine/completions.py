@@ -339,6 +339,16 @@ def _chat_logprob(session: Session, lp: TokenLogprob) -> dict[str, Any]:
     return {**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
 
 
+def _token_key(piece: bytes) -> str:
+    """A token as a text completion's logprobs name it: its text, or, for a piece of a UTF-8
+    character, ``bytes:\\xe2\\x80`` (OpenAI's spelling). Decoded with replacement, every such
+    token was "\ufffd" and they overwrote each other in ``top_logprobs``."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
+
+
 class _Offsets:
     """``text_offset`` of each token: where its own text starts in the completion. Counted over the
     tokens' text, not the text released so far, which lags while a stop string's prefix is held."""
@@ -360,10 +370,10 @@ async def _text(session: Session, p: Prepared, pieces: AsyncIterator[Piece], ids
         lp = None
         if p.logprobs and piece.logprob is not None:
             own = session.token_bytes(piece.token)
-            lp = {"tokens": [own.decode("utf-8", errors="replace")], "text_offset": [offsets.next(own)],
-                  "token_logprobs": [piece.logprob.logprob],
-                  "top_logprobs": [{session.token_bytes(t).decode("utf-8", errors="replace"): v
-                                    for t, v in piece.logprob.top}]}
+            top = {_token_key(session.token_bytes(t)): v for t, v in piece.logprob.top}
+            top[_token_key(own)] = piece.logprob.logprob  # the chosen token is always there
+            lp = {"tokens": [_token_key(own)], "text_offset": [offsets.next(own)],
+                  "token_logprobs": [piece.logprob.logprob], "top_logprobs": [top]}
         return {"text": piece.text, "index": 0, "logprobs": lp, "finish_reason": piece.finish_reason}
 
     def chunk(body: dict[str, Any]) -> dict[str, Any]:
