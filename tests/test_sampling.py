@@ -109,6 +109,34 @@ def test_bad_grammar_is_one_clear_error(tiny) -> None:
         run(path, RESIDENT, [(PROMPT, {"sampling": SamplingParams(grammar="root ::= (")})])
 
 
+DEAD_END = """
+import sys
+from bmoe import RunConfig, SamplingParams, SyncSession
+from bmoe.errors import ConfigError
+with SyncSession.open(sys.argv[1], RunConfig(mode="resident", n_ctx=256)) as s:
+    for grammar, temp in (('root ::= "\\\\x00"', 0.0), ('root ::= [a-z] "\\\\x00"', 0.8)):
+        try:
+            s.generate("Once upon a time", 8, sampling=SamplingParams(grammar=grammar, temperature=temp, seed=1))
+        except ConfigError as e:
+            print(getattr(e, "param", None), e)
+    print(s.generate("Once upon a time", 3).finish_reason)
+"""
+
+
+def test_a_grammar_no_token_can_follow_is_an_error_not_an_abort(tiny) -> None:
+    """Every logit -inf after the grammar: the chain still picked a token, and llama.cpp's grammar,
+    accepting it, threw a C++ exception that terminated the process (status 134, a server with it)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", DEAD_END, str(tiny.path(TinySpec()))],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "grammar the grammar allows no token of this model's vocabulary here (after 0 generated tokens)"
+    assert lines[1].endswith("(after 1 generated tokens)") and lines[2] == "length", lines
+
+
 def test_logprobs_are_the_models_distribution(tiny) -> None:
     path = tiny.path(TinySpec())
     g = run(path, RESIDENT, [(PROMPT, {"n": 5, "sampling": SamplingParams(logprobs=3), "stop_at_end": False})])[0]

@@ -213,6 +213,7 @@ class Sampler:
     def __init__(self, vocab: Any, n_vocab: int, params: SamplingParams, prompt: list[int]) -> None:
         self.params = params
         self._chain = self._grammar = None
+        self._accepted = 0  # generated tokens the grammar has taken
         if params.greedy:
             return
         lib = self._lib = llama_lib()
@@ -267,6 +268,12 @@ class Sampler:
         arr.data, arr.size, arr.selected, arr.sorted = self._ptr, len(self._data), -1, False
         if self._grammar is not None:
             lib.llama_sampler_apply(self._grammar, self._array_p)
+            # A grammar that allows no token here (a character no token spells) leaves every logit
+            # -inf; the chain would still pick one, and llama.cpp's grammar, accepting it, throws a
+            # C++ exception that terminates the process.
+            if not np.isfinite(self._data["logit"][: arr.size]).any():
+                raise ParamError("the grammar allows no token of this model's vocabulary here "
+                                 f"(after {self._accepted} generated tokens)", "grammar")
         lib.llama_sampler_apply(self._chain, self._array_p)
         if not 0 <= arr.selected < arr.size:
             raise ConfigError("the sampler chain selected no token (a grammar that allows none?)")
@@ -277,6 +284,7 @@ class Sampler:
             return
         if self._grammar is not None:
             self._lib.llama_sampler_accept(self._grammar, token)
+            self._accepted += 1
         self._lib.llama_sampler_accept(self._chain, token)
 
     def close(self) -> None:
