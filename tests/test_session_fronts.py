@@ -116,6 +116,49 @@ def test_sync_front_refuses_the_loop_thread(tiny) -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_second_model_opens_while_the_first_generates_on_the_loop(tiny) -> None:
+    """``Session.open`` on the loop's thread, while a streamed session's decode is in flight on that
+    loop, hung the process: its warm-up waited for the compute thread, whose decode waited for the
+    loop. It is refused by name now; ``open_async`` opens it while the first goes on."""
+    import threading
+
+    from bmoe.stages.compute import ComputeBusyError
+
+    # deepseek2 is opened with a capture decode (its expert tensors found by running one), on the
+    # compute thread: what the loop's thread would wait for.
+    first, second = tiny.path(TinySpec()), tiny.path(TinySpec(arch="deepseek2"))
+    held, release, armed = asyncio.Event(), threading.Event(), threading.Event()
+
+    def before_read(_request) -> bool:  # noqa: ANN001 - on a read lane: holds a decode in flight
+        if armed.is_set() and not release.is_set():
+            loop.call_soon_threadsafe(held.set)
+            release.wait(60)
+        return True
+
+    async def generate() -> list[int]:
+        tokens = []
+        async for piece in a.stream(PROMPT, N_TOKENS, stop_at_end=False):
+            tokens.append(piece.token)
+            armed.set()  # the next token's reads happen inside its decode (the cache is off)
+        return [t for t in tokens if t is not None]
+
+    loop = asyncio.get_running_loop()
+    async with Session.open(first, CONFIG, hooks=Hooks(before_read=before_read)) as a:
+        task = asyncio.create_task(generate())
+        await held.wait()
+        with pytest.raises(ComputeBusyError, match="open_async"):
+            Session.open(second, CONFIG)
+        opening = asyncio.create_task(Session.open_async(second, CONFIG))
+        await asyncio.sleep(0.05)
+        release.set()
+        async with await opening as b:
+            got = await b.generate(PROMPT, N_TOKENS, stop_at_end=False)
+        done = await task
+    assert got.tokens == await asyncio.to_thread(tiny.resident_tokens, second)
+    assert done == await asyncio.to_thread(tiny.resident_tokens, first)
+
+
+@pytest.mark.asyncio
 async def test_break_out_of_stream_then_generate(tiny) -> None:
     path = tiny.path(TinySpec(wtype="f16"))
     async with Session.open(path, CONFIG) as session:

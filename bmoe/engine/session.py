@@ -160,6 +160,15 @@ class Session:
         self.last_usage: Usage | None = None
 
     @classmethod
+    async def open_async(cls, path: str | Path, config: RunConfig | None = None, *,
+                         hooks: Hooks | None = None) -> Session:
+        """``open`` on a worker thread, awaited: the event loop goes on serving while the file is
+        checked, loaded and warmed up. Needed to open a model while another session generates on
+        the same loop (its decode waits on the loop, and open's warm-up waits on the decode: a
+        blocking ``open`` there raises ``ComputeBusyError``); kinder to a server's loop anyway."""
+        return await asyncio.to_thread(cls.open, path, config, hooks=hooks)
+
+    @classmethod
     def open(cls, path: str | Path, config: RunConfig | None = None, *, hooks: Hooks | None = None) -> Session:
         """Validate the file, open it the cheapest way that works, and get streaming ready."""
         if config is not None and not isinstance(config, RunConfig):

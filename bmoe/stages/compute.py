@@ -20,7 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from bmoe.errors import GenerationCancelled
+from bmoe.errors import BmoeError, GenerationCancelled
 from bmoe.pipeline.channel import Channel
 from bmoe.pipeline.events import GateItem
 
@@ -30,6 +30,15 @@ T = TypeVar("T")
 _shared: tuple[int, ThreadPoolExecutor] | None = None  # (the process it belongs to, the thread)
 _shared_lock = threading.Lock()
 _here = threading.local()
+# Event loops that a decode on the shared compute thread may be waiting on (its eval callback
+# waits for reads the loop serves), with how many such decodes are in flight. Touched on the
+# loops' own threads only.
+_decoding_for: dict[asyncio.AbstractEventLoop, int] = {}
+
+
+class ComputeBusyError(BmoeError):
+    """A blocking wait for the compute thread, made on an event loop that a decode running there
+    waits on: each would wait for the other for ever."""
 
 
 def _mark() -> None:
@@ -49,6 +58,14 @@ def on_compute_thread(fn: Callable[..., T], *args: object) -> T:
     """``fn(*args)`` run on the compute thread, waited for (at once if called there)."""
     if getattr(_here, "compute", False):
         return fn(*args)
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        loop = None
+    if loop is not None and _decoding_for.get(loop):
+        raise ComputeBusyError(
+            "a session is generating on this event loop, and a model opened on the loop's thread would "
+            "wait for its decode, which waits for the loop: open it with 'await Session.open_async(...)'")
     return compute_thread().submit(fn, *args).result()
 
 
@@ -82,7 +99,7 @@ class ComputeStage:
         if serve is None:
             self._arm(loop, None, step, phase)
             try:
-                await self._run(loop, tokens)
+                await self._wait(loop, tokens)  # nothing routed through the loop: it waits on nothing
             finally:
                 self._disarm()
             return
@@ -100,6 +117,20 @@ class ComputeStage:
             self._disarm()
 
     async def _run(self, loop: asyncio.AbstractEventLoop, tokens: list[int]) -> None:
+        """A decode whose routing ``loop`` serves: on the shared thread, counted in
+        ``_decoding_for`` while in flight, so a blocking wait on that loop is refused, not hung."""
+        if self._own:
+            await self._wait(loop, tokens)
+            return
+        _decoding_for[loop] = _decoding_for.get(loop, 0) + 1
+        try:
+            await self._wait(loop, tokens)
+        finally:
+            left = _decoding_for.pop(loop) - 1
+            if left:
+                _decoding_for[loop] = left
+
+    async def _wait(self, loop: asyncio.AbstractEventLoop, tokens: list[int]) -> None:
         work = loop.run_in_executor(self._thread, self._decode, tokens)
         try:
             await asyncio.shield(work)
