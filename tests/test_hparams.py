@@ -12,11 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from gguf import GGUFReader
+from gguf import GGUFReader, GGUFValueType
+from gguf.gguf_writer import GGUFValue
 
 from bmoe.errors import ModelFileError
 from bmoe.io.validate import open_layout
-from bmoe.synth.tiny import TinySpec
+from bmoe.synth.tiny import TinySpec, write_tiny
 
 CASES = {
     "rope_not_head_size": ("qwen3moe", {"rope.dimension_count": 48}, "rope.dimension_count"),
@@ -37,6 +38,50 @@ CASES = {
     "per_layer_embd_overflow": ("gemma4", {"embedding_length_per_layer_input": 0x80000000}, "per_layer"),
     "gemma4_rope_0": ("gemma4", {"rope.dimension_count": 0}, "rope.dimension_count"),
     "gemma4_rope_odd": ("gemma4", {"rope.dimension_count": 15}, "rope.dimension_count"),
+    # Not asserts: NaN logits, and token 0 printed with exit 0 (the fuzzing audit of 2026-12-07).
+    "freq_base_nan": ("qwen3moe", {"rope.freq_base": float("nan")}, "rope.freq_base"),
+    "freq_base_0": ("qwen3moe", {"rope.freq_base": 0.0}, "rope.freq_base"),
+    "freq_base_swa_inf": ("gemma4", {"rope.freq_base_swa": float("inf")}, "rope.freq_base_swa"),
+}
+
+
+def _token_types_99(w) -> None:  # noqa: ANN001
+    old = w.kv_data[0]["tokenizer.ggml.token_type"]
+    w.kv_data[0]["tokenizer.ggml.token_type"] = GGUFValue([99] * len(old.value), GGUFValueType.ARRAY,
+                                                          GGUFValueType.INT32)
+
+
+def _scores_as_ints(w) -> None:  # noqa: ANN001
+    old = w.kv_data[0]["tokenizer.ggml.scores"]
+    w.kv_data[0]["tokenizer.ggml.scores"] = GGUFValue([0x7FC00000] * len(old.value), GGUFValueType.ARRAY,
+                                                      GGUFValueType.INT32)
+
+
+def _template_int(w) -> None:  # noqa: ANN001
+    w.kv_data[0]["tokenizer.chat_template"] = GGUFValue(5, GGUFValueType.UINT32)
+
+
+def _eos_outside(w) -> None:  # noqa: ANN001
+    w.kv_data[0]["tokenizer.ggml.eos_token_id"] = GGUFValue(10**6, GGUFValueType.UINT32)
+
+
+def _short_swa_pattern(w) -> None:  # noqa: ANN001
+    w.kv_data[0]["gemma4.attention.sliding_window_pattern"] = GGUFValue([True], GGUFValueType.ARRAY,
+                                                                        GGUFValueType.BOOL)
+
+
+def _alignment_1(w) -> None:  # noqa: ANN001
+    w.kv_data[0]["general.alignment"] = GGUFValue(1, GGUFValueType.UINT32)
+    w.data_alignment = 1
+
+
+WRITTEN = {  # (arch, edit, words of the one line): files llama.cpp runs wrongly, or --resident aborts on
+    "token_type_99": ("qwen3moe", _token_types_99, ("token 0 has type 99",)),
+    "scores_int32": ("qwen3moe", _scores_as_ints, ("tokenizer.ggml.scores", "INT32")),
+    "template_not_text": ("qwen3moe", _template_int, ("chat_template",)),
+    "eos_outside_vocab": ("qwen3moe", _eos_outside, ("eos_token_id", "outside the vocabulary")),
+    "swa_pattern_short": ("gemma4", _short_swa_pattern, ("sliding_window_pattern", "1 values")),
+    "data_not_32_aligned": ("qwen3moe", _alignment_1, ("not a multiple of 32",)),
 }
 
 
@@ -96,6 +141,16 @@ def test_metadata_fault_is_one_line(tiny, tmp_path: Path, case: str) -> None:
     with pytest.raises(ModelFileError):
         open_layout(bad)
     assert_one_line(bmoe_run(bad), word)
+
+
+@pytest.mark.parametrize("case", sorted(WRITTEN))
+def test_written_fault_is_one_line_streamed_and_resident(tmp_path: Path, case: str) -> None:
+    arch, edit, words = WRITTEN[case]
+    (bad,) = write_tiny(tmp_path / f"{case}.gguf", TinySpec(arch=arch), edit_metadata=edit)
+    with pytest.raises(ModelFileError):
+        open_layout(bad)
+    assert_one_line(bmoe_run(bad), *words)
+    assert_one_line(bmoe_run(bad, "--resident"), *words)  # alignment 1: SIGABRT in llama.cpp's mmap load
 
 
 def test_duplicate_token_is_one_line(tiny, tmp_path: Path) -> None:

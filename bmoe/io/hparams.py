@@ -29,6 +29,7 @@ import re
 import struct
 from collections.abc import Sequence
 
+import numpy as np
 from gguf import GGUFValueType
 
 from bmoe.errors import ExpertLayoutError, ModelFileError
@@ -133,6 +134,7 @@ def check_hparams(first: ShardIndex, layout: ModelLayout) -> None:
     n_ff = keys.per_layer("feed_forward_length", n_layer, 1, None)
     n_ff_exp = keys.per_layer("expert_feed_forward_length", n_layer, 1, None)
     _check_shared_expert(keys, layout, n_ff[0])
+    _check_layer_arrays(keys, n_layer)
     _check_layers(first, layout, n_layer)
     n_vocab = _check_vocab(first)
     _check_shapes(layout, n_embd, n_vocab, n_head, n_head_kv, heads, n_ff_exp)
@@ -165,11 +167,29 @@ def _check_shared_expert(keys: _Keys, layout: ModelLayout, n_ff: int | None) -> 
         )
 
 
+# Float keys a value of which at or under 0 breaks the model (rope over a base of 0 or less is NaN);
+# rope.scaling.factor 0 means "none" to llama.cpp, so it needs only to be >= 0.
+_POSITIVE = ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon", "rope.freq_base",
+             "rope.freq_base_swa")
+
+
 def _check_eps(keys: _Keys) -> None:
-    for key in ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon"):
-        eps = keys.float(key)
-        if eps is not None and not (math.isfinite(eps) and eps > 0):
-            raise ModelFileError(f"{keys.path}: metadata key {keys.name(key)!r} is {eps}, not a positive number")
+    """Every float key of the architecture finite (a NaN or inf rope base, scaling factor or expert
+    weight scale made llama.cpp compute NaN logits and bmoe print token 0 four times, exit 0),
+    the norm epsilons and rope bases above 0 (a NaN epsilon fails an assert), a scaling factor >= 0."""
+    prefix = f"{keys.arch}."
+    for full, value in keys.index.metadata.items():
+        if (full.startswith(prefix) and isinstance(value, float) and full not in keys.index.array_spans
+                and not math.isfinite(value)):
+            raise ModelFileError(f"{keys.path}: metadata key {full!r} is {value}, not a finite number")
+    for key in _POSITIVE:
+        value = keys.float(key)
+        if value is not None and not value > 0:
+            raise ModelFileError(f"{keys.path}: metadata key {keys.name(key)!r} is {value}, not a positive number")
+    factor = keys.float("rope.scaling.factor")
+    if factor is not None and not factor >= 0:
+        raise ModelFileError(f"{keys.path}: metadata key {keys.name('rope.scaling.factor')!r} is {factor}, "
+                             "not a number >= 0")
 
 
 class _HeadSizes:
@@ -252,17 +272,61 @@ def _check_layers(first: ShardIndex, layout: ModelLayout, n_layer: int) -> None:
             )
 
 
+# Per-layer arrays read with llama.cpp's get_key_or_arr that no size check above covers: a short
+# one is taken as is, the layers past its end left at the default (a sliding-window pattern of
+# one value made every other layer full attention, silently).
+_LAYER_ARRAYS = ("attention.sliding_window_pattern",)
+
+
+def _check_layer_arrays(keys: _Keys, n_layer: int) -> None:
+    for key in _LAYER_ARRAYS:
+        span = keys.index.array_spans.get(keys.name(key))
+        if span is not None and span[1] != n_layer:
+            raise ModelFileError(f"{keys.path}: {keys.name(key)!r} has {span[1]} values for {n_layer} layers")
+
+
 def _ranges(layers: list[int]) -> str:
     return f"{layers[0]}..{layers[-1]}" if len(layers) > 3 else ", ".join(map(str, layers))
 
 
+# The per-token arrays llama.cpp reads beside the strings, with no check of their type or length
+# (``llama-vocab.cpp`` ``load``: ``gguf_get_arr_data`` cast to float / int32, indexed to n_tokens):
+# an INT32 score array is read as floats, a short one read past its end.
+_PER_TOKEN = {"tokenizer.ggml.scores": GGUFValueType.FLOAT32, "tokenizer.ggml.token_type": GGUFValueType.INT32}
+_TOKEN_TYPES = range(0, 7)  # LLAMA_TOKEN_TYPE_UNDEFINED .. LLAMA_TOKEN_TYPE_BYTE
+_SPECIAL_IDS = ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")
+
+
 def _check_vocab(first: ShardIndex) -> int | None:
-    """The vocabulary's size, after refusing a token string that appears twice."""
+    """The vocabulary's size, after refusing a token string that appears twice, a per-token array
+    of another type or length than the tokens', a token type llama.cpp does not know (every token
+    decoded to nothing), a BOS or EOS id outside the vocabulary, and a chat template that is not
+    text (llama.cpp renders it as the number's digits)."""
+    template = first.metadata.get("tokenizer.chat_template")
+    if "tokenizer.chat_template" in first.keys and not isinstance(template, str):
+        raise ModelFileError(f"{first.path}: tokenizer.chat_template is not a string")
     if _VOCAB_KEY not in first.array_spans:
         return None
     etype, count, offset = first.array_spans[_VOCAB_KEY]
     if etype != GGUFValueType.STRING:
         raise ModelFileError(f"{first.path}: {_VOCAB_KEY} is not an array of strings")
+    for key, want in _PER_TOKEN.items():
+        if key in first.keys:
+            got = first.array_spans.get(key)
+            if got is None or got[0] != want or got[1] != count:
+                what = "not an array" if got is None else f"{got[1]} {GGUFValueType(got[0]).name} values"
+                raise ModelFileError(f"{first.path}: {key} is {what}, llama.cpp reads {count} {want.name} "
+                                     "(one per token)")
+    if "tokenizer.ggml.token_type" in first.keys:
+        types = np.frombuffer(_array_bytes(first, "tokenizer.ggml.token_type", count * 4), dtype="<i4")
+        bad = np.flatnonzero((types < _TOKEN_TYPES.start) | (types >= _TOKEN_TYPES.stop))
+        if bad.size:
+            raise ModelFileError(f"{first.path}: token {int(bad[0])} has type {int(types[bad[0]])} (llama.cpp "
+                                 f"knows {_TOKEN_TYPES.start}..{_TOKEN_TYPES.stop - 1})")
+    for key in _SPECIAL_IDS:
+        tid = first.metadata.get(key)
+        if isinstance(tid, int) and not isinstance(tid, bool) and not 0 <= tid < count:
+            raise ModelFileError(f"{first.path}: {key} is {tid}, outside the vocabulary (0..{count - 1})")
     seen: dict[bytes, int] = {}
     with first.path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         # Only the header's pages: without this, a fault's readahead pulls in megabytes of the
@@ -280,6 +344,13 @@ def _check_vocab(first: ShardIndex) -> int | None:
                     f"{token.decode(errors='replace')!r} (llama.cpp asserts every token is unique)"
                 )
     return count
+
+
+def _array_bytes(index: ShardIndex, key: str, nbytes: int) -> bytes:
+    """The raw elements of a (bounds-checked) array value."""
+    with index.path.open("rb") as f:
+        f.seek(index.array_spans[key][2])
+        return f.read(nbytes)
 
 
 def _read_int_array(index: ShardIndex, key: str) -> tuple[int, ...]:

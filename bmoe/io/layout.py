@@ -44,6 +44,7 @@ _HEADER = struct.Struct("<4sIQQ")  # magic, version, tensor count, kv count
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _DEFAULT_ALIGNMENT = 32
+_TENSOR_ALIGNMENT = 32  # ggml's TENSOR_ALIGNMENT: where a CPU buffer over mapped file data may start
 # Keys, names and scalar strings are copied out; chat templates, the longest, run to ~100 KB. A
 # corrupt length that still fits in a 100 GB file must not become a 100 GB allocation.
 _MAX_STRING = 1 << 24
@@ -444,6 +445,13 @@ class _Walker:
             )
         if rel % alignment:
             raise ModelFileError(f"{self.path}: tensor {name!r} offset {rel} is not {alignment}-aligned")
+        if (data_start + rel) % _TENSOR_ALIGNMENT:
+            # llama.cpp's mmap load wraps the mapping in a CPU buffer that must start 32-byte
+            # aligned (GGML_ASSERT, an abort); a general.alignment under 32 allows such offsets.
+            raise ModelFileError(
+                f"{self.path}: tensor {name!r} starts at byte {data_start + rel}, not a multiple of "
+                f"{_TENSOR_ALIGNMENT} (general.alignment {alignment}): llama.cpp maps tensor data "
+                f"{_TENSOR_ALIGNMENT}-byte aligned")
         nbytes = prod(ne) * type_size // block
         if data_start + rel + nbytes > self.size:
             raise TruncatedFileError(
