@@ -436,3 +436,24 @@ def test_split_later_shard_renamed_as_plain_file(tmp_path: Path) -> None:
     shards = split_model(tmp_path)
     plain = shards[1].rename(tmp_path / "plain.gguf")
     raises_exactly(MissingShardError, plain, "split.no is 1 where shard 1")
+
+
+def test_split_later_shard_counting_other_shards(tmp_path: Path) -> None:
+    shards = split_model(tmp_path)
+    patch(shards[1], field_value_offset(shards[1], "split.count"), struct.pack("<H", 5))
+    raises_exactly(MissingShardError, shards[0], "split.count says 5")
+
+
+def test_split_key_of_another_type(tmp_path: Path) -> None:
+    """llama.cpp's loader reads split.count as UINT16 and refuses another type (``--resident``
+    refused the set the streamed run opened)."""
+    shards = split_model(tmp_path)
+    patch(shards[1], field_value_offset(shards[1], "split.count") - 4, struct.pack("<I", GGUFValueType.INT16))
+    raises_exactly(ModelFileError, shards[0], "split.count is INT16, not UINT16")
+
+
+def test_split_key_missing(tmp_path: Path) -> None:
+    shards = split_model(tmp_path)
+    data = shards[0].read_bytes()
+    shards[0].write_bytes(data.replace(b"split.tensors.count", b"split.tensors.cXunt", 1))
+    raises_exactly(ModelFileError, shards[0], "lacks split.tensors.count")

@@ -44,6 +44,12 @@ _HEADER = struct.Struct("<4sIQQ")  # magic, version, tensor count, kv count
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _DEFAULT_ALIGNMENT = 32
+_TYPED_KEYS = {
+    "general.alignment": GGUFValueType.UINT32,
+    "split.no": GGUFValueType.UINT16,
+    "split.count": GGUFValueType.UINT16,
+    "split.tensors.count": GGUFValueType.INT32,
+}
 _TENSOR_ALIGNMENT = 32  # ggml's TENSOR_ALIGNMENT: where a CPU buffer over mapped file data may start
 # Keys, names and scalar strings are copied out; chat templates, the longest, run to ~100 KB. A
 # corrupt length that still fits in a 100 GB file must not become a 100 GB allocation.
@@ -387,9 +393,11 @@ class _Walker:
             raise ModelFileError(f"{self.path}: metadata key {key!r} appears twice")
         keys.add(key)
         vtype = self._type(key, self._u32(f"type of {key!r}"))
-        if key == "general.alignment" and vtype != GGUFValueType.UINT32:
-            # llama.cpp reads it with gguf_get_val_u32, which asserts the type.
-            raise ModelFileError(f"{self.path}: general.alignment is {vtype.name}, not UINT32")
+        want = _TYPED_KEYS.get(key)
+        if want is not None and vtype != want:
+            # llama.cpp reads these with a typed getter: gguf_get_val_u32 asserts the type of
+            # general.alignment (an abort); the loader refuses split keys of another type.
+            raise ModelFileError(f"{self.path}: {key} is {vtype.name}, not {want.name}")
         what = f"value of {key!r}"
         if vtype == GGUFValueType.STRING:
             metadata[key] = self._str(what)

@@ -70,7 +70,18 @@ def _check_shard_names(first: Path) -> tuple[Path, ...]:
 
 
 def _check_split_keys(indexes: Sequence[ShardIndex]) -> None:
-    """The split.* keys must agree with the names: llama.cpp trusts the keys, bmoe the names."""
+    """The split.* keys must agree with the names: llama.cpp trusts the keys, bmoe the names. A
+    set's keys must all be there (llama.cpp's loader requires them: without, ``--resident``
+    refused a set the streamed run opened), and every shard must count the same shards."""
+    if len(indexes) > 1:
+        for i, index in enumerate(indexes):
+            needs = ("split.no", "split.count", "split.tensors.count") if i == 0 else ("split.no",)
+            missing = [k for k in needs if k not in index.metadata]
+            if missing:
+                raise ModelFileError(f"{index.path}: shard {i + 1} of a split set lacks {', '.join(missing)}")
+            count = index.metadata.get("split.count", len(indexes))
+            if count != len(indexes):
+                raise MissingShardError(f"{index.path}: split.count says {count} shards, the file name {len(indexes)}")
     for i, index in enumerate(indexes):
         no = index.metadata.get("split.no", 0)
         if no != i:
