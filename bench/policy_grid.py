@@ -23,6 +23,10 @@ bound with carry-over (the best policy for a Markov source may look further than
 but what a policy that learned the source perfectly would do greedily: where it closes under a
 quarter of the gap, the shortfall is the routing's, not the learning's.
 
+``warm`` is the default policy seeded, as ``--cache-profile`` seeds it, from the profile an
+earlier session of the same model saved (same popularity and carry-over, other tokens, as long):
+what a user who keeps a profile beside the model gets from the second run on.
+
     python bench/policy_grid.py [--policies default] [--tokens 64] [--prompt 8]
                                 [--shapes qwen3-30b,...] [--quick] [--csv FILE]
 """
@@ -36,11 +40,11 @@ import statistics
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from bmoe.pipeline.policies import Entry
+from bmoe.pipeline.policies import Entry, EvictionPolicy, make_policy
 from bmoe.pipeline.simulate import simulate
 from bmoe.synth.routing import (
     GRID_BUDGETS_BANK,
@@ -142,6 +146,29 @@ def inclusion(spec: RoutingSpec, draws: int = 512) -> tuple[np.ndarray, np.ndarr
     return incl, carry
 
 
+def learned_usage(spec: RoutingSpec) -> tuple[dict[int, np.ndarray], float]:
+    """What a cache profile saved by an earlier run of the same model holds: the default policy's
+    usage after another session (same popularity and carry-over, other tokens, same length), and
+    the visits it rests on."""
+    learner: list[EvictionPolicy] = []
+
+    def factory(_events: object) -> EvictionPolicy:
+        learner.append(make_policy("default"))
+        return learner[0]
+
+    earlier = routing_trace(replace(spec, session=1))
+    simulate(earlier, factory, sum(earlier.expert_bytes.values()) * spec.n_expert)
+    return learner[0].usage(), learner[0].evidence()  # type: ignore[attr-defined]
+
+
+def seeded(usage: dict[int, np.ndarray], visits: float) -> EvictionPolicy:
+    """The default policy seeded from a profile, as ``--cache-profile`` does at open."""
+    policy = make_policy("default")
+    policy.seed(usage, visits=visits)  # type: ignore[attr-defined]
+    policy.name = "warm"
+    return policy
+
+
 @dataclass(frozen=True)
 class Row:
     shape: str
@@ -201,6 +228,9 @@ def sweep(shapes: Sequence[str], policies: Sequence[str], tokens: int, prompt: i
         incl, carry = inclusion(spec)
         factories = {"oracle": lambda _events: PopularityOracle(incl),  # noqa: B023 - used in this iteration
                      "markov": lambda _events: MarkovOracle(incl, carry)}  # noqa: B023
+        if "warm" in names:
+            usage, visits = learned_usage(spec)
+            factories["warm"] = lambda _events: seeded(usage, visits)  # noqa: B023
         for label, b in budgets(spec):
             hits = {p: simulate(trace, factories.get(p, p), b, events=events).decode_hit_pct for p in names}
             yield Row(shape, spec.law, spec.skew, spec.reuse, stats.reuse, label, b, hits, float(carry.mean()))

@@ -25,15 +25,21 @@ SPEC = TinySpec(n_embd=256, n_ff=256, n_layer=3)
 def test_profile_round_trips(tmp_path: Path) -> None:
     usage = {0: np.linspace(0, 1, 8), 2: np.zeros(8)}
     path = tmp_path / "m.profile.json"
-    save_profile(path, usage, model="m.gguf", n_layer=3, n_expert=8, tokens=5)
-    back = load_profile(path, n_layer=3, n_expert=8)
+    save_profile(path, usage, model="m.gguf", n_layer=3, n_expert=8, tokens=5, visits=7.25)
+    loaded = load_profile(path, n_layer=3, n_expert=8)
+    back = loaded.usage
     assert set(back) == {0, 2} and np.allclose(back[0], usage[0], atol=1e-5) and not back[2].any()
+    assert loaded.visits == 7.2  # kept to a tenth
     doc = json.loads(path.read_text())
     assert (doc["format"], doc["version"], doc["tokens"]) == ("bmoe-cache-profile", 1, 5)
+    older = {k: v for k, v in doc.items() if k != "visits"}  # written before "visits": its tokens
+    path.write_text(json.dumps(older))
+    assert load_profile(path, n_layer=3, n_expert=8).visits == 5
     with pytest.raises(ConfigError, match="3 layers x 8 experts, this model has 4 x 8"):
         load_profile(path, n_layer=4, n_expert=8)
     for bad in ("", "{}", "[1]", json.dumps(doc | {"layers": {"9": [0] * 8}}),
-                json.dumps(doc | {"layers": {"0": [float("nan")] * 8}}), json.dumps(doc | {"layers": {"0": [2] * 8}})):
+                json.dumps(doc | {"layers": {"0": [float("nan")] * 8}}), json.dumps(doc | {"layers": {"0": [2] * 8}}),
+                json.dumps(doc | {"visits": -1}), json.dumps(doc | {"visits": "many"}), json.dumps(doc | {"visits": True})):
         path.write_text(bad)
         with pytest.raises(ConfigError):
             load_profile(path, n_layer=3, n_expert=8)
@@ -43,13 +49,13 @@ def test_a_profile_to_a_device_is_written_in_place_never_renamed_over_it(full_de
     """The profile goes through a temporary file renamed over its name: over a device that rename
     would replace the device (run as root, /dev/null itself). A device is written where it is."""
     with pytest.raises(ConfigError, match="No space left on device"):
-        save_profile(full_device, {0: np.zeros(8)}, model="m.gguf", n_layer=1, n_expert=8, tokens=1)
+        save_profile(full_device, {0: np.zeros(8)}, model="m.gguf", n_layer=1, n_expert=8, tokens=1, visits=1)
     assert stat.S_ISCHR(os.stat(full_device).st_mode)
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
     try:
-        save_profile(fifo, {0: np.zeros(8)}, model="m.gguf", n_layer=1, n_expert=8, tokens=1)
+        save_profile(fifo, {0: np.zeros(8)}, model="m.gguf", n_layer=1, n_expert=8, tokens=1, visits=1)
         assert json.loads(os.read(reader, 1 << 16))["format"] == "bmoe-cache-profile"
     finally:
         os.close(reader)
@@ -73,9 +79,40 @@ def test_a_policy_seeded_from_its_own_usage_starts_warm() -> None:
     cold = AdaptiveReusePolicy()
     cold_hits = run(cold)
     seeded = AdaptiveReusePolicy()
-    seeded.seed(cold.usage())
+    seeded.seed(cold.usage(), visits=cold.evidence())
     assert run(seeded) >= cold_hits
     assert cold.steps == 40 and all(u.argmax() == 0 for u in cold.usage().values())
+
+
+def test_usage_is_a_per_token_chance_whatever_the_runs_length() -> None:
+    """The slowest rate is a 1024-visit average started at zero: after 40 visits it holds 4 % of
+    an always-routed expert's chance. ``usage`` corrects that (the hot expert is 1.0, a layer sums
+    to its top-k), ``evidence`` says how many visits it rests on, and a run seeded from a profile
+    adds its own visits to the profile's rather than starting the count again."""
+    rng = np.random.default_rng(0)
+    routing = [[(0, *map(int, rng.choice(np.arange(1, 16), 3, replace=False))) for _ in range(2)]
+               for _ in range(40)]
+
+    def run(policy: AdaptiveReusePolicy) -> AdaptiveReusePolicy:
+        cache = ExpertCache(10**9, {0: 100, 1: 100}, policy)
+        for token in routing:
+            for il, experts in enumerate(token):
+                cache.plan(il, experts)
+            cache.trim()
+        return policy
+
+    cold = run(AdaptiveReusePolicy())
+    usage = cold.usage()
+    assert all(u[0] == pytest.approx(1.0) and u.sum() == pytest.approx(4.0) for u in usage.values())
+    assert cold.evidence() == pytest.approx(40.0)
+    again = AdaptiveReusePolicy()
+    again.seed(usage, visits=cold.evidence())
+    assert again.evidence() == pytest.approx(40.0)  # seeded, nothing routed yet: the profile's
+    run(again)
+    assert again.evidence() == pytest.approx(80.0)
+    assert all(u[0] == pytest.approx(1.0) and u.sum() == pytest.approx(4.0) for u in again.usage().values())
+    with pytest.raises(ValueError, match="visits"):
+        AdaptiveReusePolicy().seed(usage, visits=float("nan"))
 
 
 def test_seeded_run_gives_the_cold_runs_tokens(tiny, tmp_path: Path) -> None:  # noqa: ANN001
@@ -85,14 +122,14 @@ def test_seeded_run_gives_the_cold_runs_tokens(tiny, tmp_path: Path) -> None:  #
     cold = generate_tokens(path, RunConfig(n_ctx=256, cache_bytes=2 * MiB))
     first = generate_tokens(path, config)  # no profile yet: cold, and it writes one
     assert profile.exists()
-    saved = load_profile(profile, n_layer=SPEC.n_layer, n_expert=SPEC.n_expert)
+    saved = load_profile(profile, n_layer=SPEC.n_layer, n_expert=SPEC.n_expert).usage
     assert saved and all(v.sum() > 0 for v in saved.values())
     seeded = generate_tokens(path, config)
     assert first == cold == seeded == tiny.resident_tokens(path)
     # The negative control of these gates lives in tests/test_gates_stream.py (a skipped expert
     # changes the tokens); here the seeded policy must also have changed nothing about the cache's
     # contract: the same profile shape again.
-    assert load_profile(profile, n_layer=SPEC.n_layer, n_expert=SPEC.n_expert).keys() == saved.keys()
+    assert load_profile(profile, n_layer=SPEC.n_layer, n_expert=SPEC.n_expert).usage.keys() == saved.keys()
 
 
 def test_profile_at_the_models_path_is_refused(tiny) -> None:  # noqa: ANN001

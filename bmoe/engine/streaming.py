@@ -144,10 +144,10 @@ class StreamParts:
             raise ConfigError(f"prewarm needs a cache policy that learns usage; {config.cache_policy!r} does not")
         prewarm: tuple[tuple[int, int], ...] = ()
         if config.cache_profile and os.path.exists(config.cache_profile) and hasattr(policy, "seed"):
-            usage = load_profile(config.cache_profile, n_layer=layout.n_layer, n_expert=layout.n_expert)
-            policy.seed(usage)
+            profile = load_profile(config.cache_profile, n_layer=layout.n_layer, n_expert=layout.n_expert)
+            policy.seed(profile.usage, visits=profile.visits)
             if config.prewarm:
-                prewarm = tuple(prewarm_order(usage, layout.entry_bytes(), budget.bytes))
+                prewarm = tuple(prewarm_order(profile.usage, layout.entry_bytes(), budget.bytes))
         cache = ExpertCache(budget.bytes, layout.entry_bytes(), policy)
         recycle = recycling_fits(layout, budget.bytes)
         pool = None
@@ -271,7 +271,8 @@ class Streamer:
         policy = self.cache.policy
         if hasattr(policy, "usage"):
             save_profile(path, policy.usage(), model=layout.shards[0].name, n_layer=layout.n_layer,
-                         n_expert=layout.n_expert, tokens=int(getattr(policy, "steps", 0)))
+                         n_expert=layout.n_expert, tokens=int(getattr(policy, "steps", 0)),
+                         visits=policy.evidence())
 
     def tick(self) -> None:
         """Between layers (no layer pinned, fast-path hits accounted): ask the guard, and on a

@@ -33,6 +33,7 @@ with the recording run and with BigMoeOnEdge's own replay, planning costs) are i
 from __future__ import annotations
 
 import heapq
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
@@ -483,6 +484,8 @@ class AdaptiveReusePolicy(ExpectedReusePolicy):
         self._rates = np.zeros((0, n_h, 64))  # decayed use rates per horizon
         self._weights = np.zeros((0, n_h + 1))  # the mixture, fitted by online EM
         self._visits = np.zeros(0, dtype=np.int64)
+        self._seed_mass = np.zeros(0)  # per row: the slowest rate's weight a profile's seed gave it
+        self._seeds: dict[int, tuple[np.ndarray, float]] = {}  # layer -> (chances, visits), until routed
         self._keys = np.full((0, 64), np.inf)  # every entry's key, resident or not (for the duel)
         self._recent = np.zeros((0, 64), dtype=bool)  # routed at its layer's latest visit
         self._row_bytes = np.zeros(0)
@@ -511,6 +514,8 @@ class AdaptiveReusePolicy(ExpectedReusePolicy):
         st, ids = self._arrive(layer, experts)
         self._fit_tables()
         row = st.row
+        if self._seeds and layer in self._seeds:
+            self._take_seed(layer, row)
         # A prefill union counts as a fractional use, as for ``reuse``.
         self._pending.append((row, ids, min(1.0, self._min_routed / ids.size) if ids.size else 0.0))
         self._note_use(layer, st, ids)
@@ -605,21 +610,58 @@ class AdaptiveReusePolicy(ExpectedReusePolicy):
             self._key_stale()
         return self._keys
 
+    def _mass(self) -> np.ndarray:
+        """Per row, the weight the slowest rate has gathered: ``1 - (1 - a)^visits`` from a cold
+        start, more from a seeded one. A rate divided by it is an unbiased per-visit estimate (the
+        bias correction of an exponential average started at zero, as in Adam)."""
+        keep = 1.0 - float(self.ALPHAS[-1])
+        return 1.0 - (1.0 - self._seed_mass) * keep ** self._visits.astype(float)
+
     def usage(self) -> dict[int, np.ndarray]:
-        """Per layer, each expert's chance of being routed on a token, from the slowest rate (what
-        a cache profile saves)."""
+        """Per layer, each expert's chance of being routed on a token, from the slowest rate,
+        bias-corrected (what a cache profile saves; a layer seeded and never routed keeps its
+        seed). After 100 visits the raw rate is a tenth of the chance: uncorrected, a profile
+        would make every short run's popularity look faint."""
         if self._pending:
             self._apply_pending()
-        return {layer: self._rates[self._layers[layer].row, -1].copy() for layer in self._row_layer}
+        mass = self._mass()
+        out = {layer: chance.copy() for layer, (chance, _) in self._seeds.items()}
+        for layer in self._row_layer:
+            row = self._layers[layer].row
+            raw = self._rates[row, -1]
+            out[layer] = np.minimum(raw / mass[row], 1.0) if mass[row] > 0 else np.zeros_like(raw)
+        return out
 
-    def seed(self, usage: Mapping[int, np.ndarray]) -> None:
-        """Start from a profile's usage: every horizon but the last visit begins at those rates
-        (a new run has no last visit), so popular experts are known before they are routed."""
-        for layer, rates in usage.items():
-            st = self._layer(layer)
-            self._fit(rates.shape[0])
-            self._fit_tables()
-            self._rates[st.row, 1:, : rates.shape[0]] = rates[None, :]
+    def evidence(self) -> float:
+        """How many visits of routing ``usage`` rests on (the median layer's): the visits a cold
+        start needs to gather the slowest rate's present weight. What a profile saves as ``visits``."""
+        if self._pending:
+            self._apply_pending()
+        keep = 1.0 - float(self.ALPHAS[-1])
+        left = np.maximum(1.0 - self._mass(), 1e-12)
+        visits = [*(np.log(left) / np.log(keep)), *(v for _, v in self._seeds.values())]
+        return float(min(np.median(visits), 1e6)) if visits else 0.0
+
+    def seed(self, usage: Mapping[int, np.ndarray], visits: float | None = None) -> None:
+        """Start from a profile's usage as if its ``visits`` (None: a run long enough to fill
+        every horizon) had been routed here at those chances: each horizon's rate is the chance
+        times the weight that horizon gathers over that many visits, so a short profile sways the
+        slow horizons little and the new run's own routing takes over at the pace it would have.
+        The last-visit horizon starts empty (a new run has no last visit). A layer takes its seed
+        at its first routing, so until then the policy is the cold one, row for row."""
+        if visits is not None and not (math.isfinite(visits) and visits >= 0):
+            raise ValueError(f"visits must be a finite number >= 0, got {visits}")
+        for layer, chance in usage.items():
+            self._seeds[layer] = (np.asarray(chance, dtype=np.float64), math.inf if visits is None else visits)
+
+    def _take_seed(self, layer: int, row: int) -> None:
+        """A seeded layer's first routing: its rates start from the profile (see ``seed``)."""
+        chance, visits = self._seeds.pop(layer)
+        self._fit(chance.shape[0])
+        self._fit_tables()
+        gathered = 1.0 - (1.0 - self.ALPHAS[1:]) ** visits
+        self._rates[row, 1:, : chance.shape[0]] = gathered[:, None] * chance[None, :]
+        self._seed_mass[row] = gathered[-1]
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -638,6 +680,7 @@ class AdaptiveReusePolicy(ExpectedReusePolicy):
         recent[:r0, :w0] = self._recent
         self._rates, self._weights, self._keys, self._recent = rates, weights, keys, recent
         self._visits = np.concatenate([self._visits, np.zeros(rows - r0, dtype=np.int64)])
+        self._seed_mass = np.concatenate([self._seed_mass, np.zeros(rows - r0)])
         self._row_bytes = np.array([self._entry_bytes.get(il, 1) for il in self._row_layer], dtype=float)
 
     def _apply_pending(self) -> None:

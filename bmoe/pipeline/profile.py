@@ -7,13 +7,16 @@ and what the model computes never depend on it (a seeded run gives the cold run'
 in ``tests/test_profile.py``). Format::
 
     {"format": "bmoe-cache-profile", "version": 1,
-     "model": "<file name>", "n_layer": 48, "n_expert": 128, "tokens": 412,
+     "model": "<file name>", "n_layer": 48, "n_expert": 128, "tokens": 412, "visits": 824.0,
      "layers": {"0": [0.012, 0.0, ...], ...}}
 
 ``layers[il][e]``: the chance that layer ``il`` routes expert ``e`` on a token, as the run last
-estimated it (a slowly decayed rate; a layer's values sum to about its top-k); ``tokens``: how
-many decode calls the run made. Readers refuse a profile for another shape, one that is not this
-format, or one larger than ``MAX_PROFILE_BYTES``, with one line.
+estimated it (a slowly decayed rate, bias-corrected for a short run: a layer's values sum to about
+its top-k); ``tokens``: how many decode calls the run made; ``visits``: how many layer visits of
+evidence the estimate holds (this run's and those of the profile it started from, the older ones
+decayed), so the next run weighs it as that much routing and no more. A profile without
+``visits`` (written before it existed) counts as ``tokens`` visits. Readers refuse a profile for
+another shape, one that is not this format, or one larger than ``MAX_PROFILE_BYTES``, with one line.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import math
 import os
 import stat
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -33,12 +37,21 @@ VERSION = 1
 MAX_PROFILE_BYTES = 64 << 20
 
 
+@dataclass(frozen=True)
+class Profile:
+    """A profile as read: per layer, each expert's chance of being routed on a token, and how many
+    layer visits of routing that estimate rests on."""
+
+    usage: dict[int, np.ndarray]
+    visits: float
+
+
 def save_profile(path: str | os.PathLike[str], usage: Mapping[int, np.ndarray], *, model: str,
-                 n_layer: int, n_expert: int, tokens: int) -> None:
+                 n_layer: int, n_expert: int, tokens: int, visits: float) -> None:
     """Write the profile atomically (a temporary file beside it, then a rename)."""
     doc = {
         "format": FORMAT, "version": VERSION, "model": model, "n_layer": n_layer, "n_expert": n_expert,
-        "tokens": tokens,
+        "tokens": tokens, "visits": round(float(visits), 1),
         "layers": {str(il): [round(float(x), 5) for x in np.asarray(u)[:n_expert]] for il, u in sorted(usage.items())},
     }
     name = os.fspath(path)
@@ -63,8 +76,8 @@ def save_profile(path: str | os.PathLike[str], usage: Mapping[int, np.ndarray], 
         raise ConfigError(f"{name}: cannot write the cache profile: {e.strerror or e}") from e
 
 
-def load_profile(path: str | os.PathLike[str], *, n_layer: int, n_expert: int) -> dict[int, np.ndarray]:
-    """Per layer, the usage rates of a profile made for this shape of model."""
+def load_profile(path: str | os.PathLike[str], *, n_layer: int, n_expert: int) -> Profile:
+    """The usage rates of a profile made for this shape of model, and the visits they rest on."""
     name = os.fspath(path)
     try:
         with open(name, "rb") as f:
@@ -85,6 +98,10 @@ def load_profile(path: str | os.PathLike[str], *, n_layer: int, n_expert: int) -
     layers = doc.get("layers")
     if not isinstance(layers, dict):
         raise ConfigError(f"{name}: no 'layers' object")
+    visits = doc.get("visits", doc.get("tokens"))
+    if not (isinstance(visits, (int, float)) and not isinstance(visits, bool) and math.isfinite(visits)
+            and visits >= 0):
+        raise ConfigError(f"{name}: 'visits' (or 'tokens') must be a number >= 0, got {visits!r}")
     out: dict[int, np.ndarray] = {}
     for key, values in layers.items():
         if not (isinstance(key, str) and key.isdigit() and int(key) < n_layer):
@@ -93,7 +110,7 @@ def load_profile(path: str | os.PathLike[str], *, n_layer: int, n_expert: int) -
                 or not all(isinstance(v, (int, float)) and math.isfinite(v) and 0 <= v <= 1 for v in values)):
             raise ConfigError(f"{name}: layer {key}: expected {n_expert} rates in [0, 1]")
         out[int(key)] = np.asarray(values, dtype=np.float64)
-    return out
+    return Profile(out, float(visits))
 
 
 def prewarm_order(usage: Mapping[int, np.ndarray], entry_bytes: Mapping[int, int], budget_bytes: int) -> list[tuple[int, int]]:

@@ -79,6 +79,10 @@ class RoutingSpec:
     prompt: int = 28  # prefill tokens
     expert_bytes: int = 3 << 20  # bytes of one expert (all projections), every layer
     seed: int = 0
+    # Which run of the model: its popularity and carry-over come from ``seed`` alone, the tokens it
+    # routes from the session too (0: the one stream ``seed`` gives). Another session of the same
+    # model is what a cache profile saved by an earlier run meets.
+    session: int = 0
 
     def __post_init__(self) -> None:
         checks = (
@@ -90,6 +94,7 @@ class RoutingSpec:
             (math.isfinite(self.reuse) and 0 <= self.reuse < 1, f"reuse must be in [0, 1), got {self.reuse}"),
             (0 <= self.tokens <= 100_000 and 0 <= self.prompt <= 100_000, "tokens and prompt must be 0..100000"),
             (self.tokens + self.prompt > 0, "a trace needs at least one token"),
+            (self.seed >= 0 and self.session >= 0, f"seed and session must be >= 0, got {self.seed}, {self.session}"),
             (0 < self.expert_bytes <= 1 << 34, f"expert_bytes must be 1 .. 16 GiB, got {self.expert_bytes}"),
         )
         for ok, what in checks:
@@ -137,6 +142,8 @@ def routing_trace(spec: RoutingSpec) -> RouteTrace:
     logp = popularity(spec, rng)
     floor = _floor(logp, k, rng)
     carry = np.clip((spec.reuse - floor) / np.maximum(1.0 - floor, 1e-9), 0.0, 0.999)
+    if spec.session:
+        rng = np.random.default_rng([spec.seed, spec.session])
     rows = np.arange(L)[:, None]
     n_tok = spec.prompt + spec.tokens
     sets = np.empty((n_tok, L, k), dtype=np.int32)
