@@ -15,6 +15,8 @@ from bmoe.synth.tiny import TinySpec
 from bmoe.synth.vocab import EOS_ID
 from tests.helpers import N_TOKENS, PROMPT
 
+GUARD_S = 120  # a hang guard, not a timing: the calls below take a second
+
 CONFIG = RunConfig(mode="stream", n_ctx=256)
 
 
@@ -102,6 +104,74 @@ async def test_raising_read_aborts_decode_and_session_recovers(tiny) -> None:
     assert emitted == resident[: len(emitted)], "every token emitted before the failure is correct"
     assert len(emitted) < N_TOKENS
     assert again.tokens == resident
+
+
+@pytest.mark.parametrize("call", ["generate", "stream"])
+def test_ctrl_c_in_a_sync_call_cancels_the_generation(tiny, call: str) -> None:
+    """A KeyboardInterrupt in the thread waiting on a SyncSession call left the generation running
+    on the loop with the session's lock held: the next call waited for all of its tokens
+    (``generate``), or for ever (``stream``, whose generator was left inside the lock)."""
+    import signal
+    import threading
+
+    path = tiny.path(TinySpec())
+    main, armed = threading.get_ident(), threading.Event()
+    plans = fire_at = 0
+
+    def on_plan(_event, _plan) -> None:  # noqa: ANN001 - on the portal's loop thread
+        nonlocal plans
+        plans += 1
+        if armed.is_set() and plans >= fire_at:
+            armed.clear()
+            signal.pthread_kill(main, signal.SIGINT)  # Ctrl-C, to the thread that waits
+
+    with SyncSession.open(path, CONFIG, hooks=Hooks(on_plan=on_plan)) as sync:
+        n_layer = sync.session.layout.n_layer
+        fire_at = plans + 20 * n_layer  # some tokens into a 200-token generation
+        armed.set()
+        with pytest.raises(KeyboardInterrupt):
+            if call == "generate":
+                sync.generate(PROMPT, 200, stop_at_end=False)
+            else:
+                for _ in sync.stream(PROMPT, 200, stop_at_end=False):
+                    pass
+        at_interrupt = plans
+        done: list = []
+        after = threading.Thread(target=lambda: done.append(sync.generate(PROMPT, N_TOKENS, stop_at_end=False)))
+        after.start()
+        after.join(GUARD_S)
+        assert done, "the next call still waits for the interrupted generation"
+        assert plans - at_interrupt < (200 - 40) * n_layer, "the interrupted generation ran on"
+    assert done[0].tokens == tiny.resident_tokens(path)
+
+
+def test_a_threads_stream_is_not_closed_by_another_threads_call(tiny) -> None:
+    """``_begin`` closed the session's last open iterator whichever thread read it: thread A's
+    stream ended early, without a last piece, when thread B called ``stream``."""
+    import threading
+
+    path = tiny.path(TinySpec())
+    with SyncSession.open(path, CONFIG) as sync:
+        first_piece, b_done = threading.Event(), threading.Event()
+        got: dict[str, list] = {"a": [], "b": []}
+
+        def reader(name: str) -> None:
+            for piece in sync.stream(PROMPT, N_TOKENS, stop_at_end=False):
+                got[name].append(piece)
+                first_piece.set()
+                if name == "a" and len(got["a"]) == 1:
+                    b.start()  # B calls while A is between pieces
+                    b_done.wait(0.2)
+
+        a = threading.Thread(target=reader, args=("a",))
+        b = threading.Thread(target=lambda: (reader("b"), b_done.set()))
+        a.start()
+        a.join(GUARD_S)
+        b.join(GUARD_S)
+    resident = tiny.resident_tokens(path)
+    for name in "ab":
+        assert got[name] and got[name][-1].finish_reason == "length", name
+        assert [p.token for p in got[name] if p.token is not None] == resident, name
 
 
 def test_sync_front_refuses_the_loop_thread(tiny) -> None:

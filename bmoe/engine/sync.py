@@ -5,9 +5,9 @@ sync and async callers share one code path. Like the portal, it refuses to be us
 loop thread: blocking there would deadlock the very loop the eval callback waits on.
 
 One generation at a time, as on Session. A ``stream()`` iterator left open holds the session: a
-new ``stream()`` or ``generate()`` closes it first (it ends there, as if its loop had broken), so
-forgetting to exhaust an iterator never deadlocks the next call. Calls from several threads wait
-their turn.
+new ``stream()`` or ``generate()`` from the same thread closes it first (it ends there, as if its
+loop had broken), so forgetting to exhaust an iterator never deadlocks the next call. Calls from
+several threads wait their turn; one thread never closes another's stream.
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ class SyncSession:
         _hook_exit()
         self._portal_cm = start_blocking_portal("asyncio", loop_backend_options())
         self._portal = self._portal_cm.__enter__()
-        self._open_iter: Iterator[Any] | None = None
+        # Per thread, the iterator it opened last (weakly: one dropped is closed by its finalizer).
+        self._open_iters: weakref.WeakValueDictionary[int, Iterator[Any]] = weakref.WeakValueDictionary()
         self._guard = threading.Lock()
         _unclosed.add(self)
 
@@ -84,13 +85,27 @@ class SyncSession:
     def open(cls, path: str | Path, config: RunConfig | None = None, *, hooks: Hooks | None = None) -> SyncSession:
         return cls(Session.open(path, config, hooks=hooks))
 
+    def _call(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` awaited on the portal. An interrupt here (Ctrl-C's KeyboardInterrupt in the
+        waiting thread) cancels it on the loop too: a plain ``portal.call`` left the generation
+        running with the session's lock held, and the next call waited for all its tokens (or,
+        for a stream, for ever)."""
+        future = self._portal.start_task_soon(fn, *args)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # a no-op once it is done; else the task is cancelled on the loop
+            raise
+
     def _begin(self) -> None:
-        """Refuse the loop thread and a closed session; close an iterator left open."""
+        """Refuse the loop thread and a closed session; close an iterator this thread left open.
+        Only this thread's: another thread's stream is being read there, and this call waits its
+        turn (closing it ended that stream early, without a last piece)."""
         _refuse_on_loop_thread()
         if self._portal_cm is None:
             raise SessionClosedError("the session is closed")
         with self._guard:
-            old, self._open_iter = self._open_iter, None
+            old = self._open_iters.pop(threading.get_ident(), None)
         if old is not None:
             try:
                 old.close()  # type: ignore[attr-defined]
@@ -102,7 +117,7 @@ class SyncSession:
         try:
             while self._portal_cm is not None:
                 try:
-                    item = self._portal.call(_next, agen)
+                    item = self._call(_next, agen)
                 except StopAsyncIteration:
                     return
                 except RuntimeError:
@@ -119,7 +134,7 @@ class SyncSession:
 
     def _track(self, it: Iterator[Any]) -> Iterator[Any]:
         with self._guard:
-            self._open_iter = it
+            self._open_iters[threading.get_ident()] = it
         return it
 
     def stream(
@@ -136,19 +151,19 @@ class SyncSession:
         stop: Sequence[str] | str | None = None, stop_at_end: bool = True, special: bool = False,
     ) -> Generation:
         self._begin()
-        return self._portal.call(lambda: self.session.generate(
+        return self._call(lambda: self.session.generate(
             prompt, max_tokens, sampling=sampling, stop=stop, stop_at_end=stop_at_end, special=special))
 
     def create_completion(self, prompt: str | Sequence[int], **kwargs: Any) -> Any:
         """llama-cpp-python's ``create_completion``: a dict, or an iterator of chunk dicts."""
         self._begin()
-        out = self._portal.call(lambda: self.session.create_completion(prompt, **kwargs))
+        out = self._call(lambda: self.session.create_completion(prompt, **kwargs))
         return self._track(self._iterate(out)) if kwargs.get("stream") else out
 
     def create_chat_completion(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> Any:
         """llama-cpp-python's ``create_chat_completion``: a dict, or an iterator of chunk dicts."""
         self._begin()
-        out = self._portal.call(lambda: self.session.create_chat_completion(messages, **kwargs))
+        out = self._call(lambda: self.session.create_chat_completion(messages, **kwargs))
         return self._track(self._iterate(out)) if kwargs.get("stream") else out
 
     def tokenize(self, text: str, *, special: bool = False) -> list[int]:
