@@ -82,3 +82,28 @@ def test_a_template_that_writes_bos_gives_one_bos_not_two(tmp_path) -> None:  # 
         assert s.session.chat_format().render([Message("user", "hi")]) == "[user] hi\n[assistant] "
     # Without BOS added by the tokenizer, the template's own stays.
     assert ChatFormat(BOS_FIRST.encode(), bos="<s>").render([Message("user", "hi")]).startswith("<s>[user]")
+
+
+ALTERNATING = (
+    b"{{ bos_token }}{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    b"{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    b"{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]{% else %}{{ m['content'] }}{{ eos_token }}"
+    b"{% endif %}{% endfor %}"
+)
+
+
+def test_a_conversation_the_template_refuses_is_refused_with_its_words() -> None:
+    """Mistral's and Llama 2's templates raise_exception on roles that do not alternate: the
+    conversation was rendered another way, silently (llama.cpp's server and llama-cpp-python
+    refuse it)."""
+    import pytest
+
+    from bmoe.engine.sampling import ParamError
+
+    fmt = ChatFormat(ALTERNATING, bos="<s>", eos="</s>")
+    assert fmt.description == "the model's own chat template"
+    ok = [Message("user", "a"), Message("assistant", "b"), Message("user", "c")]
+    assert fmt.render(ok) == "<s>[INST] a [/INST]b</s>[INST] c [/INST]"
+    with pytest.raises(ParamError, match="refuses this conversation: Conversation roles must alternate") as info:
+        fmt.render([Message("user", "a"), Message("user", "c")])
+    assert info.value.param == "messages"

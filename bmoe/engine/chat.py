@@ -68,7 +68,7 @@ class ChatFormat:
         """The prompt for the assistant's next turn. ``template_kwargs`` (``enable_thinking``...)
         reach a Jinja template; the built-in renderer and the plain transcript ignore them."""
         if self._jinja is not None:
-            text = self._render_jinja(messages, template_kwargs or {})
+            text = self._render_jinja(messages, template_kwargs or {}, refuse=True)
             if text is not None:
                 return self._one_bos(text)
         if self._template is not None:
@@ -82,13 +82,25 @@ class ChatFormat:
         bos = self._strip_bos
         return text[len(bos):] if bos and text.startswith(bos) else text
 
-    def _render_jinja(self, messages: Sequence[Message], kwargs: Mapping[str, Any]) -> str | None:
+    def _render_jinja(self, messages: Sequence[Message], kwargs: Mapping[str, Any], *,
+                      refuse: bool = False) -> str | None:
+        """The Jinja rendering, or None where Jinja cannot render the template (the built-in
+        renderer is tried next). With ``refuse``, a conversation the template itself refuses
+        (``raise_exception``: roles that do not alternate, a system message it does not take) is a
+        ParamError with the template's words, as llama.cpp's server and llama-cpp-python give it;
+        it was rendered another way, silently."""
         try:
             return self._jinja.render(
                 messages=[{"role": m.role, "content": m.content} for m in messages],
                 add_generation_prompt=True, **self._special, **kwargs,
             )
-        except Exception:  # noqa: BLE001 - any template error: fall back to the built-in renderer
+        except TemplateRefusal as e:
+            if refuse:
+                from bmoe.engine.sampling import ParamError
+
+                raise ParamError(f"the model's chat template refuses this conversation: {e}", "messages") from None
+            return None
+        except Exception:  # noqa: BLE001 - any other template error: fall back to the built-in renderer
             return None
 
     @staticmethod
@@ -108,6 +120,10 @@ class ChatFormat:
         return None
 
 
+class TemplateRefusal(Exception):  # noqa: N818 - what the template's raise_exception raises
+    """A chat template's own ``raise_exception``: the conversation is not one it takes."""
+
+
 @cache
 def _compile(source: str) -> Any:
     """The template compiled in a sandbox (no attribute access to Python internals), with the
@@ -118,7 +134,7 @@ def _compile(source: str) -> Any:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:
-        raise TemplateError(message)
+        raise TemplateRefusal(message)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = raise_exception
