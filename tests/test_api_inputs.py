@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bmoe.engine.config import RunConfig
+from bmoe.engine.config import MiB, RunConfig
 from bmoe.engine.session import Session
 from bmoe.engine.sync import SyncSession
 from bmoe.errors import BmoeError, ConfigError
@@ -107,6 +107,29 @@ def test_the_python_api_refuses_what_the_server_refuses_in_a_chat(session) -> No
         assert info.value.param == "top_logprobs"
 
 
+def test_unknown_arguments_a_non_bool_json_object_and_a_non_path_are_refused_by_name(session) -> None:
+    """Unknown keyword arguments raised a TypeError naming an internal function; llama-cpp-python's
+    samplers bmoe has not got are refused by name, but taken at the values that leave them off;
+    ``json_object="yes"`` was accepted; ``Session.open(None)`` was a raw TypeError."""
+    from bmoe.engine.sampling import ParamError, SamplingParams
+    from bmoe.engine.session import Session
+
+    for call in (session.create_completion, lambda p, **kw: session.create_chat_completion(
+            [{"role": "user", "content": p}], **kw)):
+        with pytest.raises(ParamError, match="^unknown parameter 'bogus'$") as info:
+            call(PROMPT, max_tokens=2, bogus=1)
+        assert info.value.param == "bogus"
+        with pytest.raises(ParamError, match="^typical_p is not supported") as info:
+            call(PROMPT, max_tokens=2, typical_p=0.5)
+        assert info.value.param == "typical_p"
+        assert call(PROMPT, max_tokens=2, typical_p=1.0, mirostat_mode=0, tfs_z=None)["usage"]["completion_tokens"]
+    with pytest.raises(ParamError, match="json_object must be True or False"):
+        SamplingParams(json_object="yes")
+    for path in (None, 5):
+        with pytest.raises(ConfigError, match="path must be a file path"):
+            Session.open(path)
+
+
 def test_text_that_utf8_cannot_encode_and_wrong_types(session) -> None:
     with pytest.raises(ConfigError, match="lone surrogate"):
         session.generate("hi \udcff", 2)
@@ -129,9 +152,12 @@ def test_cache_budget_must_be_whole_bytes(session) -> None:
     for bad in (float("nan"), float("inf"), True, 1.5e6, -1, "1000"):
         with pytest.raises(ConfigError, match="whole number of bytes"):
             session.set_cache_budget(bad)
+    with pytest.raises(ConfigError, match="at least 1 MiB, got 10 bytes"):
+        session.set_cache_budget(10)  # as RunConfig refuses it: bytes given for MiB
     before, bank = session.session.budget_bytes, session.session.layout.expert_bytes
-    session.set_cache_budget(np.int64(bank // 2))
-    assert session.session.budget_bytes == bank // 2 != before
+    assert bank > MiB + 1
+    session.set_cache_budget(np.int64(MiB + 1))
+    assert session.session.budget_bytes == MiB + 1 != before
     session.set_cache_budget(bank * 100)
     assert session.session.budget_bytes == bank, "past the bank is the bank"
 

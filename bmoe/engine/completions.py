@@ -53,15 +53,28 @@ class ContextOverflow(ParamError):
         return f"{self.what} does not fit the context ({self.n_ctx} tokens); {fix}"
 
 
+# llama-cpp-python's create_completion arguments bmoe has no sampler for, at their off values.
+_OFF_VALUES: dict[str, float] = {"typical_p": 1.0, "tfs_z": 1.0, "mirostat_mode": 0, "mirostat_tau": 5.0,
+                                 "mirostat_eta": 0.1}
+
+
 def sampling_from(
     *, temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
     min_p: float | None = None, repeat_penalty: float | None = None, presence_penalty: float | None = None,
     frequency_penalty: float | None = None, seed: int | None = None, grammar: str | None = None,
     response_format: Mapping[str, Any] | None = None, logprobs: int | None = None,
-    logit_bias: Mapping[str, float] | None = None,
+    logit_bias: Mapping[str, float] | None = None, **other: Any,
 ) -> SamplingParams:
     """A SamplingParams from request-style arguments (None: the default; ``seed`` -1: a fresh one,
-    as llama.cpp spells it). A chat's ``top_logprobs`` is checked by name before it gets here."""
+    as llama.cpp spells it). A chat's ``top_logprobs`` is checked by name before it gets here.
+    Any other argument is refused by name (it was a TypeError naming this function), except
+    llama-cpp-python's samplers at the values that leave them off."""
+    for name, value in other.items():
+        if name in _OFF_VALUES and (value is None or value == _OFF_VALUES[name]) and not isinstance(value, bool):
+            continue
+        if name in _OFF_VALUES:
+            raise ParamError(f"{name} is not supported (only {_OFF_VALUES[name]}, which leaves it off)", name)
+        raise ParamError(f"unknown parameter {name!r}", name)
     kw: dict[str, Any] = {}
     if seed == -1 and not isinstance(seed, bool):
         seed = None

@@ -99,6 +99,8 @@ class SamplingParams:
             raise ParamError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {_clip(self.logprobs)}",
                              "logprobs")
         self._check_logit_bias()
+        if not isinstance(self.json_object, bool):
+            raise ParamError(f"json_object must be True or False, got {_clip(self.json_object)}", "json_object")
         if sum(x is not None and x is not False for x in (self.grammar, self.json_schema, self.json_object)) > 1:
             raise ParamError("give at most one of grammar, json_schema and json_object", "grammar")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
