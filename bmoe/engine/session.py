@@ -355,8 +355,11 @@ class Session:
         gives.
 
         One generation runs at a time: a second waits its turn (first come, first served) until
-        the first has finished or been closed (a generator abandoned by ``break`` is closed by the
-        event loop shortly after). ``cancel()`` or ``close()`` end a running generation at its next
+        the first has finished or been closed. A generator left by ``break`` and no longer
+        referenced is closed by the event loop shortly after; one still held (``chunks = await
+        s.create_completion(..., stream=True)``, then ``break``) holds the session until it is
+        closed, as any async generator would: ``async with contextlib.aclosing(chunks)``, or
+        ``await chunks.aclose()``. ``cancel()`` or ``close()`` end a running generation at its next
         graph node with ``finish_reason == "cancelled"``.
         """
         self._live()
