@@ -200,6 +200,30 @@ def test_parameters_bmoe_cannot_honour_are_refused_by_name(served, path: str, bo
     assert len(err["message"]) < 200, err
 
 
+@pytest.mark.parametrize("path,body,param,message", [
+    ("/v1/completions", {"prompt": [[1, 2]]}, "prompt", "prompt must be one of: str, list[int], list[str]"),
+    ("/v1/completions", {"prompt": None}, "prompt", "prompt must be one of: str, list[int], list[str]"),
+    ("/v1/chat/completions", {"messages": CHAT, "stop": [None]}, "stop", "stop must be one of:"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens",
+     "max_completion_tokens must be"),
+    ("/v1/chat/completions", {"messages": CHAT, "temperature": "hot"}, "temperature", "temperature: "),
+])
+def test_a_refusal_names_the_requests_own_field(served, path: str, body: dict, param: str, message: str) -> None:
+    """A field of several types was named by pydantic's type label (``prompt.str``: "Input should
+    be a valid string" for a list of lists), and max_completion_tokens by the engine's max_tokens."""
+    url, _ = served
+    r = post(url, path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"].startswith(message), err
+
+
+def test_a_trailing_slash_is_a_404_in_the_openai_shape(served) -> None:
+    url, _ = served
+    r = post(url, "/v1/completions/", {"prompt": "x", "max_tokens": 2})
+    assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+
+
 def test_nulls_one_prompt_in_a_list_and_the_harmless_values_are_accepted(served) -> None:
     url, _ = served
     plain = post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 3}).json()["choices"][0]["text"]

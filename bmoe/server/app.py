@@ -129,9 +129,20 @@ def _check_tree(value: Any) -> None:
 
 
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
-    first = exc.errors()[0]
-    where = ".".join(str(x) for x in first.get("loc", ()))
-    return (f"{where}: {first.get('msg')}" if where else str(first.get("msg"))), (where or None)
+    """The first error as one line, ``param`` the request's field. A field of several accepted
+    types fails once per type, each located under the type's name (``prompt.str``,
+    ``prompt.list[int]``): that is said as the types the field takes."""
+    errors = exc.errors()
+    loc = tuple(errors[0].get("loc", ()))
+    if not loc:
+        return str(errors[0].get("msg")), None
+    field = str(loc[0])
+    if len(loc) > 1 and isinstance(loc[1], str):  # a union's members
+        kinds = list(dict.fromkeys(str(e["loc"][1]) for e in errors
+                                   if len(e.get("loc", ())) > 1 and e["loc"][0] == loc[0] and isinstance(e["loc"][1], str)))
+        return f"{field} must be one of: {', '.join(kinds)}", field
+    where = field + "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc[1:])
+    return f"{where}: {errors[0].get('msg')}", field
 
 
 class _Server:
@@ -190,7 +201,13 @@ class _Server:
             assert isinstance(request, CompletionRequest)
             return prepare_completion(session, request.prompt, **kw)
         except ConfigError as exc:
-            raise _BadRequest.of(exc) from None
+            bad = _BadRequest.of(exc)
+            if (bad.param == "max_tokens" and isinstance(request, ChatRequest) and request.max_tokens is None
+                    and request.max_completion_tokens is not None):
+                # The request's own name for the limit (the engine knows it as max_tokens).
+                bad.message = bad.message.replace("max_tokens", "max_completion_tokens")
+                bad.param = "max_completion_tokens"
+            raise bad from None
 
     async def prepared(self, route: str, request: ChatRequest | CompletionRequest) -> Prepared:
         """``prepare`` on a worker thread (a long prompt does not stall the stream of the
@@ -421,6 +438,7 @@ def create_app(
         exception_handlers={_BadRequest: bad_request, HTTPException: http_error, Exception: crash},
         lifespan=lifespan,
     )
+    app.router.redirect_slashes = False  # "/v1/completions/" is a 404 in the OpenAI shape, not a bare 307
     app.state.bmoe = server
     if api_key is not None:
         return _with_api_key(app, api_key)
