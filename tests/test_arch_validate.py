@@ -77,7 +77,9 @@ FAULTS = [
     # glm4moe's loader asserts n_expert > 0 && n_expert_used > 0 (glm4-moe.cpp:42-43).
     ("used-zero", TinySpec(arch="glm4moe"), set_u32("glm4moe.expert_used_count", 0), "expert_used_count is 0"),
     ("groups-as-many-as-experts", TinySpec(arch="bailingmoe2"), set_u32("bailingmoe2.expert_group_count", 8),
-     "expert_group_count 8 does not divide"),
+     "expert_group_count is 8, not fewer than the 8 experts"),
+    ("groups-out-of-range", TinySpec(arch="bailingmoe2"), set_u32("bailingmoe2.expert_group_count", 0xFFFFFFFF),
+     "expert_group_count is 4294967295, not fewer than"),  # was "does not divide"
     ("block-count-over-max", TinySpec(arch="qwen3vlmoe"), set_u32("qwen3vlmoe.block_count", 513),
      "block_count is 513"),
     ("count-zero", TinySpec(arch="gpt-oss"), set_u32("gpt-oss.expert_count", 0), "expert_used_count is 2"),
@@ -90,6 +92,9 @@ FAULTS = [
     ("conv-only-lfm2", TinySpec(arch="lfm2moe"),
      set_value("lfm2moe.attention.head_count_kv", [0, 0, 0], GGUFValueType.ARRAY, GGUFValueType.INT32),
      "none of the 3 blocks attends"),
+    ("lfm2-kv-heads-short", TinySpec(arch="lfm2moe"),  # was "none of the 3 blocks attends"
+     set_value("lfm2moe.attention.head_count_kv", [2], GGUFValueType.ARRAY, GGUFValueType.INT32),
+     "head_count_kv' has 1 values for 3 layers"),
     ("olmoe-without-ffn-width", TinySpec(arch="qwen3moe"), rename_arch("qwen3moe", "olmoe"), "olmoe.feed_forward_length"),
     ("llama-ffn-width-wrong", TinySpec(arch="qwen3moe"),
      rename_arch("qwen3moe", "llama", set_u32("llama.feed_forward_length", 48)), "llama.feed_forward_length is 48"),

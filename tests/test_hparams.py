@@ -70,6 +70,10 @@ def _short_swa_pattern(w) -> None:  # noqa: ANN001
                                                                         GGUFValueType.BOOL)
 
 
+def _short_expert_width(w) -> None:  # noqa: ANN001 - was "missing or not an integer"
+    w.kv_data[0]["qwen3moe.expert_feed_forward_length"] = GGUFValue([64], GGUFValueType.ARRAY, GGUFValueType.UINT32)
+
+
 def _alignment_1(w) -> None:  # noqa: ANN001
     w.kv_data[0]["general.alignment"] = GGUFValue(1, GGUFValueType.UINT32)
     w.data_alignment = 1
@@ -82,6 +86,7 @@ WRITTEN = {  # (arch, edit, words of the one line): files llama.cpp runs wrongly
     "eos_outside_vocab": ("qwen3moe", _eos_outside, ("eos_token_id", "outside the vocabulary")),
     "swa_pattern_short": ("gemma4", _short_swa_pattern, ("sliding_window_pattern", "1 values")),
     "data_not_32_aligned": ("qwen3moe", _alignment_1, ("not a multiple of 32",)),
+    "expert_width_short": ("qwen3moe", _short_expert_width, ("expert_feed_forward_length", "1 values for 2 layers")),
 }
 
 

@@ -147,7 +147,9 @@ def _check_aborting_metadata(first: ShardIndex, recipe: Recipe) -> None:
     groups = _int_key(first, key("expert_group_count")) or 0
     used_groups = _int_key(first, key("expert_group_used_count")) or 0
     if groups > 1:
-        if groups >= n_expert or n_expert % groups:
+        if groups >= n_expert:
+            raise ExpertLayoutError(f"{path}: {key('expert_group_count')} is {groups}, not fewer than the {n_expert} experts")
+        if n_expert % groups:
             raise ExpertLayoutError(f"{path}: {key('expert_group_count')} {groups} does not divide {n_expert} experts into groups")
         if n_expert // groups < 2:
             raise ExpertLayoutError(f"{path}: {groups} expert groups of {n_expert // groups}: grouped routing needs at least 2 per group")
@@ -176,6 +178,10 @@ def _check_aborting_metadata(first: ShardIndex, recipe: Recipe) -> None:
 def _check_some_block_attends(first: ShardIndex, recipe: Recipe, n_main: int) -> None:
     """A hybrid whose main blocks are all recurrent has no KV cache buffer: llama.cpp asserts."""
     key = recipe.key
+    for name in ("attention.recurrent_layers", "attention.head_count_kv"):
+        values = first.arrays.get(key(name))
+        if values is not None and len(values) < n_main:  # said as "no block attends" before
+            raise ModelFileError(f"{first.path}: {key(name)!r} has {len(values)} values for {n_main} layers")
     if recipe.recurrent_marker == "interval":
         marks = first.arrays.get(key("attention.recurrent_layers"))
         if marks is not None:
@@ -215,8 +221,11 @@ def _expert_width(layout: ModelLayout, recipe: Recipe, layer: int) -> int | None
     """The width key's value for ``layer`` (a scalar, or a per-layer array); None if absent."""
     key = recipe.key(recipe.width_key)
     value = layout.metadata.get(key)
-    if value is None and key in layout.arrays and layer < len(layout.arrays[key]):
-        value = layout.arrays[key][layer]
+    if value is None and key in layout.arrays:
+        values = layout.arrays[key]
+        if len(values) != layout.n_layer:  # was reported as missing: say what is wrong with it
+            raise ModelFileError(f"{layout.shards[0]}: {key!r} has {len(values)} values for {layout.n_layer} layers")
+        value = values[layer]
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
