@@ -47,7 +47,7 @@ def main() -> int:
             if f.label not in ("cache off", "half bank"):
                 continue
             stats = asyncio.run(generate(path, RunConfig(mode="stream", n_ctx=512, cache_bytes=f.budget_bytes), args.n))
-            decode_tokens = max(1, stats.generated_tokens - 1)
+            decode_tokens = stats.decode_steps
             hit = stats.cache_hit_pct or 0.0
             read_tok = report.bytes_per_token_cache_off * (1 - hit / 100)
             explained = 1 / (read_tok / (report.read_mib_s * MiB) + active / (measured_gbs * 1e9))
@@ -57,7 +57,7 @@ def main() -> int:
                   f"(hit {hit:.0f} %, {stats.bytes_read / (stats.generated_tokens + 0.0) / MiB:.1f} MiB read/token incl. prompt, "
                   f"engine read rate {stats.read_mib_per_s or 0:.0f} MiB/s): off by {err:+.0f} %; "
                   f"with measured hit and compute {explained:.2f} tok/s ({(explained - stats.tok_per_s) / stats.tok_per_s * 100:+.0f} %)"
-                  f" [{decode_tokens} decode tokens]")
+                  f" [{decode_tokens} decode steps]")
     return 0
 
 

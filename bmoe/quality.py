@@ -73,7 +73,7 @@ class _Side:
     bytes_read: int | None = None
 
     def add(self, stats) -> None:  # noqa: ANN001 - a GenerationStats
-        self.steps += max(stats.generated_tokens - 1, 0)
+        self.steps += stats.decode_steps
         self.decode_s += stats.decode_s
         self.tokens += stats.generated_tokens
         if stats.bytes_read is not None:

@@ -169,3 +169,21 @@ async def test_concurrent_generations_wait_their_turn(tiny) -> None:
         alone_b = await s.generate(other, N_TOKENS, stop_at_end=False)
     assert a.tokens == await asyncio.to_thread(tiny.resident_tokens, path)
     assert b.tokens == alone_b.tokens
+
+
+@pytest.mark.asyncio
+async def test_a_generation_that_ends_itself_counts_its_last_step_in_tok_per_s(tiny) -> None:
+    """Ended by the end token, a generation has decoded once more than it shows (the call whose
+    output was the end token): that time was in decode_s and the step was not counted, so a
+    3-token reply read a third slow."""
+    from bmoe.synth.vocab import EOS_ID
+
+    path = tiny.path(TinySpec())
+    async with Session.open(path, CONFIG) as session:
+        pieces = [p async for p in session.stream(PROMPT, 4, forced=[5, 6, 7, EOS_ID])]
+        by_itself = session.last_stats
+        cut = await session.generate(PROMPT, 3, stop_at_end=False)
+    assert pieces[-1].finish_reason == "stop" and by_itself.generated_tokens == 3
+    assert by_itself.decode_steps == 3 and by_itself.tok_per_s == pytest.approx(3 / by_itself.decode_s)
+    assert cut.finish_reason == "length" and cut.stats.decode_steps == 2
+    assert cut.stats.tok_per_s == pytest.approx(2 / cut.stats.decode_s)

@@ -63,7 +63,7 @@ class PrefillPlanner:
         if stats is None or stats is self._learned_from or rec is None:
             return
         self._learned_from = stats
-        steps = stats.generated_tokens - 1  # decode calls after the prompt's
+        steps = stats.decode_steps  # decode calls after the prompt's
         if steps > 0 and stats.decode_s > 0:
             blocked = max(0.0, (stats.blocked_s or 0.0) - rec.blocked_s)
             self.decode_compute_s = max(0.0, stats.decode_s - blocked) / steps

@@ -442,6 +442,7 @@ class Session:
                         finish = "cancelled"
                         break
                     stats.decode_s += m.wall_s
+                    stats.decode_steps += 1
                 # Ended without a last token to carry it (end of generation, cancelled): one more
                 # piece, with no token, says why, with any text still held back.
                 tail = stops.feed(decoder.decode(b"", final=True)) + stops.flush()

@@ -41,6 +41,9 @@ class GenerationStats:
     generated_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0  # summed wall time of the decode calls after prefill (not the caller's)
+    # Those decode calls. One per token after the first, and one more when the generation ends
+    # with the model's end token: that call's time is in decode_s, so it counts as a step.
+    decode_steps: int = 0
     # The cache's figures count every (layer, expert) once per use, all projections together. A
     # read ahead of need (prompt read-ahead, predicted or profile prewarm, a prompt read in
     # chunks) is a read, not a hit, even when its layer then finds it resident: the hit rate
@@ -90,10 +93,12 @@ class GenerationStats:
 
     @property
     def tok_per_s(self) -> float | None:
-        """Decode tokens per second: tokens after the first over the decode steps that made them."""
-        if self.generated_tokens < 2 or self.decode_s <= 0:
+        """Decode tokens per second: the decode steps after the prompt's over their time. A step
+        that produced the end token counts (its time is in decode_s); counting only the tokens
+        shown understated a 3-token reply that ended by itself by a third."""
+        if self.decode_steps < 1 or self.decode_s <= 0:
             return None
-        return (self.generated_tokens - 1) / self.decode_s
+        return self.decode_steps / self.decode_s
 
     @property
     def read_mib_per_s(self) -> float | None:
