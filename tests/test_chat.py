@@ -107,3 +107,16 @@ def test_a_conversation_the_template_refuses_is_refused_with_its_words() -> None
     with pytest.raises(ParamError, match="refuses this conversation: Conversation roles must alternate") as info:
         fmt.render([Message("user", "a"), Message("user", "c")])
     assert info.value.param == "messages"
+
+
+def test_a_lossy_chat_says_so_in_its_banner_replies_and_stats(tiny) -> None:  # noqa: ANN001
+    """``bmoe run`` labels every figure of a lossy run; ``bmoe chat`` labelled none."""
+    path = tiny.path(TinySpec())
+    proc = subprocess.run(
+        [sys.executable, "-m", "bmoe.cli", "chat", "-m", str(path), "-n", "4", "-c", "256", "--cache-mb", "1",
+         "--n-expert-used", "1"],
+        input="hello there\n/stats\n", capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "LOSSY --n-expert-used 1, context" in proc.stderr  # the banner
+    assert len(re.findall(r"\[stream LOSSY --n-expert-used 1\] \d+ tokens", proc.stderr)) == 2, proc.stderr

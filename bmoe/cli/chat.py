@@ -164,16 +164,21 @@ async def _chat(model: Path, config: RunConfig, system: str | None, n: int | Non
             reply.end(note, quiet)
             stats = session.last_stats
             if stats is not None and not quiet:
-                r = {"n_tokens": stats.generated_tokens, **stats.as_dict()}
-                print(_summary(r), file=sys.stderr)
+                print(_summary(_figures(session, stats)), file=sys.stderr)
 
 
 def _banner(model: Path, session, fmt, n: int, think: bool) -> str:  # noqa: ANN001
     """What the chat runs: the file, how, the context, the template; and how to get help."""
+    from bmoe.engine.lossy import lossy_flags
+    from bmoe.pipeline.budget import mib_text
+
     how = "resident"
     if session.config.mode != "resident":
         budget = session.budget_bytes
-        how = "streamed, " + (f"cache {budget >> 20} MiB" if budget else "cache off")
+        how = "streamed, " + (f"cache {mib_text(budget)} MiB" if budget else "cache off")
+    flags = lossy_flags(session.config)
+    if flags:
+        how += f", LOSSY {' '.join(flags)}"
     arch = getattr(getattr(session, "layout", None), "arch", None)
     first = (f"bmoe chat: {model.name}" + (f" ({arch})" if arch else "")
              + f", {how}, context {session.n_ctx} tokens, replies up to {n} tokens (-n)")
@@ -228,11 +233,19 @@ class _Reply:
             print(f"[{note}]", file=sys.stderr)
 
 
+def _figures(session, stats) -> dict:  # noqa: ANN001
+    """A reply's figures as ``_summary`` shows them, labelled lossy as ``bmoe run``'s are (a chat
+    with --n-expert-used read as exact)."""
+    from bmoe.engine.lossy import lossy_label
+
+    return {"n_tokens": stats.generated_tokens, **stats.as_dict(), **lossy_label(session.config)}
+
+
 def _chat_stats(session, totals: dict[str, int]) -> str:  # noqa: ANN001
     stats = session.last_stats
     lines = []
     if stats is not None:
-        lines.append("last reply: " + _summary({"n_tokens": stats.generated_tokens, **stats.as_dict()}))
+        lines.append("last reply: " + _summary(_figures(session, stats)))
     usage = session.last_usage
 
     def count(n: int, one: str, many: str) -> str:

@@ -106,6 +106,8 @@ def _token_bar(total: int):  # noqa: ANN202 - a tqdm bar for long runs whose tex
 
 
 def _summary(r: dict) -> str:
+    from bmoe.pipeline.budget import mib_text
+
     def num(v: float | None, fmt: str) -> str:
         return "unmeasured" if v is None else format(v, fmt)
 
@@ -115,6 +117,6 @@ def _summary(r: dict) -> str:
         line += (
             f", experts read {r['experts_read']}, {r['bytes_read'] / MiB:.1f} MiB read"
             f", read {num(r['read_mib_per_s'], '.0f')} MiB/s ({r['io_mode']})"
-            f", cache {r['budget_bytes'] / MiB:.0f} MiB hit {num(r['cache_hit_pct'], '.1f')}%"
+            f", cache {mib_text(r['budget_bytes'])} MiB hit {num(r['cache_hit_pct'], '.1f')}%"
         )
     return line
