@@ -133,3 +133,21 @@ def test_the_test_open_of_a_model_past_ram_decodes_on_zeros_not_the_reservation(
                           timeout=300, env=env)
     assert "open mode reserved" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+
+
+def test_the_checks_reads_are_not_counted_as_the_opens(tiny, monkeypatch) -> None:  # noqa: ANN001
+    """A reaped child's reads are added to the parent's /proc/self/io: the check's load of the dense
+    part doubled the first open's ``open_bytes_read``. Simulated: the check 'reads' a GiB."""
+    from bmoe.engine import session as session_module
+    from bmoe.engine.config import RunConfig
+    from bmoe.synth.tiny import TinySpec
+
+    counter = [0]
+    monkeypatch.setattr(session_module, "read_io_bytes", lambda: counter[0])
+
+    def check(_layout) -> None:  # noqa: ANN001
+        counter[0] += 1 << 30
+
+    monkeypatch.setattr(session_module, "check_first_open", check)
+    with session_module.Session.open(tiny.path(TinySpec()), RunConfig(n_ctx=256)) as s:
+        assert s.open_bytes_read == 0, "only the check 'read': nothing of this open's own"

@@ -179,7 +179,13 @@ class Session:
         config = (config or RunConfig()).validate()
         io_before = read_io_bytes()
         layout = open_layout(path)
+        check_io = read_io_bytes()
         check_first_open(layout)  # a child loads a file not seen before: a llama.cpp abort kills it, not us
+        # A reaped child's reads are added to this process's counters: the check's load of the
+        # dense part (once per file) doubled the first open's figure. They are not this open's.
+        after_check = read_io_bytes()
+        if io_before is not None and check_io is not None and after_check is not None:
+            io_before += after_check - check_io
         overrides = load_overrides(layout, config)  # lossy levers applied at load; a no-op when off
         layout = overrides.layout
         if config.route_trace is not None:
