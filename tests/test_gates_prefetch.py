@@ -346,3 +346,13 @@ def test_the_check_sees_a_resident_expert_with_wrong_bytes(tiny) -> None:
 
     found, flipped = asyncio.run(go())
     assert found == [flipped]
+
+
+def test_a_predictor_that_scored_nothing_reports_null_not_an_empty_object(tiny, monkeypatch) -> None:  # noqa: ANN001
+    """Unmeasured is null: ``--json`` printed ``"predict_accuracy_pct": {}`` when nothing was scored."""
+    from bmoe.stages.predict import Predictor
+
+    monkeypatch.setattr(Predictor, "accuracy_pct", lambda self: {})
+    path = tiny.path(TinySpec(n_embd=256, n_ff=256, n_layer=4))
+    _, stats = stream_within_budget(path, RunConfig(n_ctx=256, cache_bytes=BUDGET, predict_prefetch=True))
+    assert stats.predict_accuracy_pct is None

@@ -577,7 +577,7 @@ class Session:
             stats.budget_changes = [c.as_dict() for c in moves[len(moves) - (end - start).budget_changes:]]
             predictor = self._streaming.modes.predictor if self._streaming else None
             if predictor is not None:
-                stats.predict_accuracy_pct = predictor.accuracy_pct()
+                stats.predict_accuracy_pct = predictor.accuracy_pct() or None  # nothing scored: unmeasured
 
     async def _measured_decode(self, batches: list[list[int]], step: int, phase: int, position: int) -> _Measure:
         """Decode calls with their measurement; ``position`` is the route trace's step of the first
