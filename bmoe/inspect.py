@@ -191,6 +191,10 @@ def inspect_model(path: str | os.PathLike[str], *, ram_bytes: int | None = None,
         verdict, why = "resident", "dense + every expert fit beside what else the process needs: no streaming needed"
     elif dense + ws + floor <= ram_bytes:
         verdict, why = "streamed", "the dense part and one token's experts fit, the expert bank does not"
+    elif dense + ws + others <= ram_bytes:
+        verdict, why = "cannot run", (
+            f"the dense part + a prompt layer's expert union ({mib_text(needs.transient)} MiB at 512 tokens a "
+            "batch, held whole while the layer computes) exceed the RAM; one token's working set would fit")
     else:
         verdict, why = "cannot run", "the dense part + one token's working set exceed the RAM"
     open_mode, open_reason = choose_open_mode(layout, streaming=True)

@@ -66,6 +66,24 @@ def test_verdicts_follow_the_ram(tiny) -> None:
     assert inspect_model(path, ram_bytes=dense + bank + r.mtp_bytes + floor).verdict == "resident"
 
 
+def test_cannot_run_says_whether_the_token_or_the_prompt_union_is_too_big(tiny) -> None:
+    """A prompt layer's expert union bigger than one token's experts (few layers, a 512-token
+    batch routes every expert) made "cannot run" say the token's working set did not fit, when it
+    did; and the auto budget line showed what was left as 0."""
+    path = tiny.path(SPECS["glm4moe"])
+    r = inspect_model(path, ram_bytes=8 * GiB)
+    dense, ws = r.dense_bytes, r.bytes_per_token_cache_off
+    union_beyond = r.experts * max(r.expert_bytes_per_layer.values()) - ws
+    assert union_beyond > 0, "this model's prompt union is bigger than one token's experts"
+    ram = dense + ws + r.floor_bytes - union_beyond // 2  # the token fits, the union does not
+    tight = inspect_model(path, ram_bytes=ram)
+    assert tight.verdict == "cannot run" and "prompt layer's expert union" in tight.verdict_why, tight.verdict_why
+    assert "one token's working set would fit" in tight.verdict_why
+    assert "less than the" in tight.auto_budget_how and "prefill union: 0 MiB" in tight.auto_budget_how
+    starved = inspect_model(path, ram_bytes=dense + ws // 2)
+    assert starved.verdict == "cannot run" and "one token's working set exceed" in starved.verdict_why
+
+
 def test_forecast_shows_its_inputs_and_null_when_unmeasured(tiny, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no cached probe
     r = inspect_model(tiny.path(SPECS["minimax-m2"]), ram_bytes=8 * GiB)

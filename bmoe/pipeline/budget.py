@@ -121,7 +121,10 @@ def resolve_budget(
 ) -> Budget:
     """``requested`` None means auto; an explicit number (0 = cache off) must fit, unless forced."""
     fit = needs.room(mem_available)
-    model = f"{mib_text(mem_available)} MiB available - {needs.describe()} = {mib_text(fit)} MiB"
+    left = mem_available - needs.total
+    model = f"{mib_text(mem_available)} MiB available - {needs.describe()} = {mib_text(max(left, 0))} MiB"
+    if left > 0 and fit == 0:  # what is left is real; it just cannot hold a prompt layer's union
+        model += f", less than the {mib_text(needs.transient)} MiB prefill union: 0 MiB"
     warning = None
     if requested is not None:
         if requested < 0:
