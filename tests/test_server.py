@@ -187,6 +187,12 @@ def test_metrics_parse_as_prometheus_text(served) -> None:
         assert want in families, want
     assert families["bmoe_completion_tokens"].samples[0].value >= 4
     assert families["bmoe_expert_bytes_read"].samples[0].value > 0
+    # The hit rate from the counters is the gauge's: hits over routed (a "misses" counter that
+    # counted reads, read-ahead included, gave another figure).
+    value = {n: families[n].samples[0].value for n in ("bmoe_cache_hits", "bmoe_experts_routed", "bmoe_experts_read")}
+    assert "bmoe_cache_misses" not in families and value["bmoe_experts_routed"] > 0
+    assert families["bmoe_cache_hit_percent"].samples[0].value == pytest.approx(
+        100 * value["bmoe_cache_hits"] / value["bmoe_experts_routed"])
 
 
 def test_api_key_and_a_full_queue(tiny) -> None:

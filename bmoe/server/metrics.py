@@ -33,7 +33,12 @@ class ServerMetrics:
         self.bytes_read = Counter("bmoe_expert_bytes_read", "Expert bytes read from the model file", registry=r)
         self.stall_ms = Counter("bmoe_stall_milliseconds", "Compute thread time spent waiting on expert reads", registry=r)
         self.cache_hits = Counter("bmoe_cache_hits", "Routed experts found in the cache", registry=r)
-        self.cache_misses = Counter("bmoe_cache_misses", "Experts read from the model file, on demand or ahead of need", registry=r)
+        # Not "misses": reads include read-ahead, so hits / (hits + reads) is not the hit rate. The
+        # hit rate is hits / routed (what bmoe_cache_hit_percent shows).
+        self.experts_routed = Counter("bmoe_experts_routed", "Routed experts the cache served (hits, misses, read ahead)",
+                                     registry=r)
+        self.experts_read = Counter("bmoe_experts_read", "Experts read from the model file, on demand or ahead of need",
+                                    registry=r)
         self.tok_per_s = Gauge("bmoe_tokens_per_second", "Decode tokens per second of the last generation", registry=r)
         self.hit_pct = Gauge("bmoe_cache_hit_percent", "Cache hit % over the server's life", registry=r)
         self.queue = Gauge("bmoe_queue_depth", "Requests waiting for their turn", registry=r)
@@ -58,7 +63,8 @@ class ServerMetrics:
             self.stall_ms.inc(stats.blocked_s * 1e3)
         if stats.cache_hits is not None and stats.experts_read is not None and stats.experts_routed is not None:
             self.cache_hits.inc(stats.cache_hits)
-            self.cache_misses.inc(stats.experts_read)
+            self.experts_routed.inc(stats.experts_routed)
+            self.experts_read.inc(stats.experts_read)
             self._hits += stats.cache_hits
             self._used += stats.experts_routed
             self.hit_pct.set(100.0 * self._hits / self._used if self._used else math.nan)
