@@ -114,6 +114,8 @@ def test_bench_json_and_files_under_a_ram_limit(model: Path, tmp_path: Path, mon
     assert {r["id"] for r in result["runs"]} >= {"resident", "mmap", "stream_off", "stream_below_ws",
                                                   "stream_half_bank", "all_cached", "overlap", "stream_auto",
                                                   "mmap_norepack", "sweep_1", "sweep_4", "squeeze"}
+    below = next(r for r in result["runs"] if r["id"] == "stream_below_ws")  # a tiny model: clamped, and says so
+    assert "not below one token's working set" in below["config"] and "clamped" in below["notes"], below
     assert result["mmap_norepack_tok_s"] == result["resident_tok_s"], "the file fits: resident is the baseline"
     assert result["p3_stream_over_mmap"] == round(result["stream_tok_s"] / result["mmap_norepack_tok_s"], 3)
     assert result["stock_tok_s"] == result["mmap_tok_s"]

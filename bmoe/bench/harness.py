@@ -308,10 +308,13 @@ def plan_runs(layout: Any, opts: BenchOptions, available: int) -> list[Run]:
         return run
 
     below = max(MiB, working_set // 2)
+    clamped = below >= working_set  # a tiny model: the label must not claim what the run is not
     runs.append(cached(
-        "stream_below_ws", "stream, cache {mib} (below one token's working set)", below,
-        None if below < working_set else
-        f"clamped to the 1 MiB minimum, which is not below the {working_set / MiB:.2f} MiB working set",
+        "stream_below_ws",
+        "stream, cache {mib} (the 1 MiB minimum, not below one token's working set)" if clamped
+        else "stream, cache {mib} (below one token's working set)", below,
+        f"clamped to the 1 MiB minimum, which is not below the {working_set / MiB:.2f} MiB working set"
+        if clamped else None,
     ))
     # Under a RAM limit, the middle budget is what the limit leaves when half the bank does not fit:
     # the configuration a user of that machine would run.
@@ -761,7 +764,7 @@ def _row(run: Run, reference: list[int] | None, ref_id: str | None) -> dict[str,
     n = st.get("generated_tokens") or 0
     row["tok_s"] = _r(st.get("tok_per_s"))
     if row["tok_s"] is None:
-        notes.append("tok/s unmeasured: fewer than 2 tokens or no decode time")
+        notes.append("tok/s unmeasured: no decode step after the prompt, or no decode time")
     if run.kind == "bmoe" and st.get("mode") == "stream":
         row["read_mib_s"] = _r(st.get("read_mib_per_s"), 1)
         if row["read_mib_s"] is None:
