@@ -239,3 +239,49 @@ def test_cli_model_truncated_mid_run_is_one_line(tiny, tmp_path: Path) -> None: 
     assert proc.returncode == 1, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "truncated during the run" in lines[0], err
+
+
+@pytest.mark.parametrize("config", [RunConfig(mode="resident", n_ctx=256),
+                                    RunConfig(mode="stream", n_ctx=256, cache_bytes=64 * MiB)],
+                         ids=["resident", "stream-all-cached"])
+def test_a_model_rewritten_in_place_stops_the_next_token(tiny, tmp_path: Path, config: RunConfig) -> None:
+    """The weights llama.cpp maps are the file's: rewritten in place under a resident session (or
+    a streamed one with every expert cached, which reads nothing), the run went on, exit 0, with
+    tokens computed from other weights. Now the next token is refused, and the server's health
+    check says why."""
+    path = tmp_path / "m.gguf"
+    shutil.copy(tiny.path(TinySpec()), path)
+
+    async def go() -> tuple[list[int], str | None, BaseException | None]:
+        with Session.open(path, config) as s:
+            first = (await s.generate(PROMPT, 4, stop_at_end=False)).tokens
+            assert s.file_changed() is None
+            with open(path, "r+b") as f:  # the last bytes of the last tensor, in place
+                f.seek(-64, os.SEEK_END)
+                f.write(bytes(64))
+            changed = s.file_changed()
+            try:
+                await s.generate(PROMPT, 4, stop_at_end=False)
+            except ReadError as e:
+                return first, changed, e
+            return first, changed, None
+
+    first, changed, error = asyncio.run(go())
+    assert first and changed is not None and "rewritten during the run" in changed
+    assert error is not None and str(error) == changed
+
+
+def test_the_servers_health_fails_once_the_model_file_changed(tiny, tmp_path: Path) -> None:
+    import httpx
+
+    from bmoe.server.app import create_app
+    from tests.test_server import CONFIG as SERVED
+    from tests.test_server import running
+
+    path = tmp_path / "m.gguf"
+    shutil.copy(tiny.path(TinySpec()), path)
+    with Session.open(path, SERVED) as session, running(create_app(session)) as url:
+        assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+        os.truncate(path, path.stat().st_size - 4096)
+        r = httpx.get(f"{url}/health")
+        assert r.status_code == 503 and "truncated during the run" in r.json()["error"]["message"], r.text

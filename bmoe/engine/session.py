@@ -30,7 +30,7 @@ from bmoe.engine.config import MiB, RunConfig
 from bmoe.engine.expert_major import GROUP_EXPERTS, ExpertMajor, Shapes
 from bmoe.engine.isolate import check_first_open
 from bmoe.engine.loader import OpenedModel, capture_weights, open_model
-from bmoe.engine.lossy import load_overrides, lossy_callback
+from bmoe.engine.lossy import LoadOverrides, load_overrides, lossy_callback
 from bmoe.engine.prefill import prefill_batches
 from bmoe.engine.sampling import (
     GREEDY,
@@ -56,6 +56,7 @@ from bmoe.io.layout import ModelLayout
 from bmoe.io.pagecache import mapping_spans, read_io_bytes, release_file_pages
 from bmoe.io.paths import check_output
 from bmoe.io.validate import open_layout
+from bmoe.io.watch import FileWatch
 from bmoe.metrics.route_trace import RouteRecorder
 from bmoe.metrics.stats import Counters, GenerationStats
 from bmoe.metrics.tokens import ProcessSample, TokenMetrics, rss_bytes
@@ -158,6 +159,7 @@ class Session:
         self._decoding = False
         self._cancel_requested = False
         self._kv: list[int] | None = []  # tokens the context holds; None: unknown (cleared next)
+        self._watch: FileWatch | None = None  # the model files as loaded (set by open)
         self.last_usage: Usage | None = None
 
     @classmethod
@@ -195,6 +197,21 @@ class Session:
         streaming = config.mode == "stream"
         if streaming:
             check_overhead()
+        watch = FileWatch(layout.shards)  # the files as they are loaded: checked once a token
+        try:
+            session = cls._load(layout, config, overrides, streaming, hooks, watch)
+        except BaseException:
+            watch.close()
+            raise
+        io_after = read_io_bytes()
+        if io_before is not None and io_after is not None:
+            session.open_bytes_read = io_after - io_before  # the index, the model, any capture
+        return session
+
+    @classmethod
+    def _load(cls, layout: ModelLayout, config: RunConfig, overrides: LoadOverrides, streaming: bool,
+              hooks: Hooks | None, watch: FileWatch) -> Session:
+        """The model loaded and, streamed, its experts' pipeline built (``open``'s second half)."""
         opened = open_model(
             layout, streaming=streaming, mode=config.open_mode if streaming else "mmap", mparams=overrides.params,
         )
@@ -255,12 +272,10 @@ class Session:
             raise
         session = cls(layout, config, model, callback, opened, streamer, dense)
         session._recorder = recorder
+        session._watch = watch
         if streamer is not None and (streamer.modes.predictor is not None or config.route_ahead is not None):
             hold_one_blas_thread()  # router products on the compute thread (bmoe.engine.blas)
             session._blas_held = True
-        io_after = read_io_bytes()
-        if io_before is not None and io_after is not None:
-            session.open_bytes_read = io_after - io_before  # the index, the model, any capture
         return session
 
     def lossy_counters(self) -> dict[str, object]:
@@ -284,6 +299,12 @@ class Session:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def file_changed(self) -> str | None:
+        """How the model file changed since it was loaded (replaced, rewritten, truncated, gone), as
+        one line; None while it is as loaded. Every generation checks it once a token; a server's
+        health check asks it too (a server whose file changed can only fail)."""
+        return self._watch.changed() if self._watch is not None and not self._closed else None
 
     def tokenize(self, text: str, *, special: bool = False) -> list[int]:
         model = self._live()
@@ -421,6 +442,8 @@ class Session:
                     if self._stopping:
                         finish = "cancelled"
                         break
+                    if self._watch is not None:  # the weights just used are the file's, as loaded
+                        self._watch.check()
                     logits = model.logits()
                     token = sampler.sample(logits) if forced is None else forced[i]
                     if stop_at_end and model.is_end(token):
@@ -715,6 +738,8 @@ class Session:
             if self._blas_held:
                 self._blas_held = False
                 steps.callback(release_blas_threads)
+            if self._watch is not None:
+                steps.callback(self._watch.close)
             steps.callback(self._model.close)  # after the regions' pointers are restored
             if dense is not None:
                 steps.callback(dense.close)

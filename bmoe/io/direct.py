@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bmoe.errors import ReadError
+from bmoe.io.watch import Identity, change, identity
 
 DIRECT_ALIGN = 4096  # logical block size O_DIRECT requires of address, offset and length
 
@@ -36,10 +37,6 @@ def _fill(fd: int, pos: int, stop: int, need: int, addr: int) -> int:
     return pos
 
 
-def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
-
-
 class ShardReader:
     """Positioned reads of expert slices straight into a Region, O_DIRECT where the filesystem allows it.
 
@@ -52,13 +49,13 @@ class ShardReader:
         self._direct: list[int] | None = None
         self.mode = "buffered"
         self.fallback_reason: str | None = None
-        self._identity: list[tuple[int, int, int, int]] = []
+        self._identity: list[Identity] = []
         try:
             for path in self._paths:
                 self._fds.append(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
                 # Default readahead reads ~3x the slice for scattered expert reads.
                 os.posix_fadvise(self._fds[-1], 0, 0, os.POSIX_FADV_RANDOM)
-                self._identity.append(_identity(os.fstat(self._fds[-1])))
+                self._identity.append(identity(os.fstat(self._fds[-1])))
         except OSError as e:
             self.close()
             raise ReadError(f"{e.filename}: cannot open for reading: {e.strerror}") from e
@@ -139,20 +136,9 @@ class ShardReader:
 
     def check_unchanged(self, shard: int) -> None:
         """Raise ``ReadError`` if the shard's file changed since it was opened (a few µs: two stats)."""
-        path = self._paths[shard]
-        try:
-            now, named = _identity(os.fstat(self._fds[shard])), _identity(os.stat(path))
-        except OSError as e:
-            raise ReadError(f"{path}: the model file went away during the run ({e.strerror})") from e
-        was = self._identity[shard]
-        if named[:2] != was[:2]:
-            raise ReadError(f"{path}: the model file was replaced during the run (a new file under its name)")
-        if now != was:
-            what = "truncated" if now[2] < was[2] else "rewritten"
-            raise ReadError(
-                f"{path}: the model file was {what} during the run (size {was[2]} -> {now[2]} bytes, "
-                "mtime changed); its bytes no longer match the model loaded"
-            )
+        what = change(self._paths[shard], self._fds[shard], self._identity[shard])
+        if what is not None:
+            raise ReadError(what)
 
     def _read(self, fd: int, shard: int, offset: int, nbytes: int, start: int, stop: int, addr: int) -> int:
         """Read [start, stop) of the file to addr; the slice [offset, offset+nbytes) must be covered."""

@@ -398,6 +398,9 @@ def create_app(
     async def health(_: Request) -> Response:
         if server.session is None or server.session.closed:
             return _error(503, "the model is not open", "server_error")
+        changed = server.session.file_changed()
+        if changed is not None:  # every completion fails now: a supervisor must see it and restart
+            return _error(503, changed, "server_error")
         return JSONResponse({"status": "ok"})
 
     async def metrics(_: Request) -> Response:
