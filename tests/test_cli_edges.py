@@ -184,3 +184,18 @@ def test_chat_skips_empty_lines_silently(tiny) -> None:
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "", "an empty line was sent to the model"
     assert "error" not in proc.stderr and "tok/s" not in proc.stderr, proc.stderr
+
+
+def test_out_of_memory_is_said_as_such(capsys) -> None:  # noqa: ANN001
+    """Under ``ulimit -v`` the index's mapping was refused with ENOMEM and said "writing the output:
+    Cannot allocate memory"; a read lane that could not start was an internal error."""
+    import errno
+
+    from bmoe.cli.app import _fail
+
+    assert _fail(OSError(errno.ENOMEM, "Cannot allocate memory")) == 1
+    assert capsys.readouterr().err.startswith("bmoe: error: out of memory: Cannot allocate memory")
+    assert _fail(RuntimeError("can't start new thread")) == 1
+    assert capsys.readouterr().err.startswith("bmoe: error: out of memory or threads")
+    assert _fail(OSError(errno.ENOSPC, "No space left on device")) == 1
+    assert capsys.readouterr().err.startswith("bmoe: error: writing the output: No space left on device")

@@ -182,10 +182,12 @@ def _fail(exc: Exception, command: str | None = None) -> int:
         line = str(exc)
     elif isinstance(exc, OSError):
         line = _os_error_line(exc)
-        if exc.filename is None:
+        if exc.filename is None and exc.errno != errno.ENOMEM:
             _quiet_stdout()
     elif isinstance(exc, MemoryError):
         line = "out of memory"
+    elif isinstance(exc, RuntimeError) and "can't start new thread" in str(exc):
+        line = "out of memory or threads: a thread could not be started (the memory, ulimit -v or ulimit -u left is too small)"
     else:
         if os.environ.get("BMOE_DEBUG"):
             raise exc

@@ -5,6 +5,7 @@ caller closed, prompt text that is not UTF-8, and the one line an OSError become
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import signal
 import sys
@@ -95,6 +96,12 @@ def _quiet_stdout() -> None:
 
 
 def _os_error_line(exc: OSError) -> str:
+    """An OSError as one line. Without a file name it is the output's (a full disk under stdout),
+    except when the system is out of memory (a refused mapping of the model's index, say), which
+    read as "writing the output: Cannot allocate memory"."""
+    if exc.errno == errno.ENOMEM and exc.filename is None:
+        return (f"out of memory: {exc.strerror or exc} (the memory or address space left, e.g. by ulimit -v, "
+                "is too small)")
     where = f"{exc.filename}: " if exc.filename is not None else "writing the output: "
     return f"{where}{exc.strerror or exc}"
 
