@@ -14,7 +14,9 @@ in ``tests/test_profile.py``). Format::
 estimated it (a slowly decayed rate, bias-corrected for a short run: a layer's values sum to about
 its top-k); ``tokens``: how many decode calls the run made; ``visits``: how many layer visits of
 evidence the estimate holds (this run's and those of the profile it started from, the older ones
-decayed), so the next run weighs it as that much routing and no more. A profile without
+decayed), so the next run weighs it as that much routing and no more. Two runs sharing one
+profile at once each start from it and the last to close replaces it (atomically: never a torn
+file), so the other's learning is lost. A profile without
 ``visits`` (written before it existed) counts as ``tokens`` visits. Readers refuse a profile for
 another shape, one that is not this format, or one larger than ``MAX_PROFILE_BYTES``, with one line.
 """
