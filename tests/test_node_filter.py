@@ -289,3 +289,18 @@ def test_the_user_opens_no_op_nodes_are_muted_and_tokens_stay_resident(
     scaled_muted, _, _ = _noop_run(path, monkeypatch, scale=50.0)
     assert scaled != resident, "a 50.0 scale changes the tokens"
     assert scaled_muted != scaled, "muting it drops it: the tokens show a wrong mute"
+
+
+def test_a_filter_that_could_not_be_built_is_a_warning(tiny: TinyModels, monkeypatch: pytest.MonkeyPatch,
+                                                       tmp_path) -> None:  # noqa: ANN001
+    """An unwritable cache folder (or no compiler) left every node to Python, said only in --json."""
+    path = tiny.path(SPEC)
+    monkeypatch.setattr(node_filter, "_loaded", None)
+    monkeypatch.setattr(node_filter, "_failed", None)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with Session.open(path, EVICTING) as s:
+        assert any("the C node filter is not in use (" in w and "could not be built" in w for w in s.warnings), s.warnings
+    monkeypatch.setenv("BMOE_NODE_FILTER", "python")  # asked for: no warning
+    with Session.open(path, EVICTING) as s:
+        assert not any("node filter" in w for w in s.warnings), s.warnings

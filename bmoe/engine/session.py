@@ -681,6 +681,11 @@ class Session:
             out.append(self._streaming.budget.warning)
         if self.io_fallback_reason:
             out.append(f"O_DIRECT is off: {self.io_fallback_reason}")
+        kind = self._model.filter_kind
+        if kind is not None and kind.startswith("python: ") and kind != "python: BMOE_NODE_FILTER=python":
+            # Not asked for: every graph node reaches Python (its build cache unwritable, say).
+            out.append(f"the C node filter is not in use ({kind.removeprefix('python: ')}): every graph node "
+                       "reaches Python, which slows each token")
         if self.n_ctx != self.config.n_ctx:  # llama.cpp pads the context to a multiple of 256
             out.append(f"the context holds {self.n_ctx} tokens, not the {self.config.n_ctx} asked for "
                        f"(llama.cpp rounds it up to a multiple of 256)")
