@@ -53,9 +53,10 @@ class ContextOverflow(ParamError):
         return f"{self.what} does not fit the context ({self.n_ctx} tokens); {fix}"
 
 
-# llama-cpp-python's create_completion arguments bmoe has no sampler for, at their off values.
-_OFF_VALUES: dict[str, float] = {"typical_p": 1.0, "tfs_z": 1.0, "mirostat_mode": 0, "mirostat_tau": 5.0,
-                                 "mirostat_eta": 0.1}
+# llama-cpp-python's create_completion arguments bmoe has no sampler for, at their off values;
+# mirostat's tau and eta do nothing while its mode is 0, the only mode taken.
+_OFF_VALUES: dict[str, float] = {"typical_p": 1.0, "tfs_z": 1.0, "mirostat_mode": 0}
+_INERT = frozenset({"mirostat_tau", "mirostat_eta"})
 
 
 def sampling_from(
@@ -70,6 +71,8 @@ def sampling_from(
     Any other argument is refused by name (it was a TypeError naming this function), except
     llama-cpp-python's samplers at the values that leave them off."""
     for name, value in other.items():
+        if name in _INERT:
+            continue
         if name in _OFF_VALUES and (value is None or value == _OFF_VALUES[name]) and not isinstance(value, bool):
             continue
         if name in _OFF_VALUES:
