@@ -86,6 +86,10 @@ class ReadError(BmoeError):
     pass
 
 
+class ReadCancelled(ReadError):
+    """A read given up because its stage was cancelled (by another stage's failure, or a cancel)."""
+
+
 class BudgetError(BmoeError):
     pass
 
@@ -139,4 +143,7 @@ def first_error(group: BaseExceptionGroup) -> BaseException:
             walk(e) if isinstance(e, BaseExceptionGroup) else flat.append(e)
 
     walk(group)
-    return next((e for e in flat if isinstance(e, BmoeError)), flat[0])
+    # A read cancelled because another stage failed is a consequence: the failure itself (a thread
+    # that could not start, say) is what to show, bmoe's own error or not.
+    causes = [e for e in flat if not isinstance(e, ReadCancelled)] or flat
+    return next((e for e in causes if isinstance(e, BmoeError)), causes[0])

@@ -199,3 +199,17 @@ def test_out_of_memory_is_said_as_such(capsys) -> None:  # noqa: ANN001
     assert capsys.readouterr().err.startswith("bmoe: error: out of memory or threads")
     assert _fail(OSError(errno.ENOSPC, "No space left on device")) == 1
     assert capsys.readouterr().err.startswith("bmoe: error: writing the output: No space left on device")
+
+
+def test_a_groups_cause_is_shown_not_the_reads_it_cancelled() -> None:
+    """A read lane that could not start cancelled the reads waiting on it, and the line shown was
+    "read of ExpertKey(...) cancelled" (a bmoe error was preferred to the RuntimeError behind it)."""
+    from bmoe.errors import ReadCancelled, ReadError, first_error
+
+    cause = RuntimeError("can't start new thread")
+    group = BaseExceptionGroup("stages", [ReadCancelled("read of 1 cancelled"), cause])
+    assert first_error(group) is cause
+    real = ReadError("short read")
+    assert first_error(BaseExceptionGroup("stages", [cause, ReadCancelled("x"), real])) is real  # bmoe's first
+    only = ReadCancelled("read of 2 cancelled")
+    assert first_error(BaseExceptionGroup("stages", [only])) is only

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from itertools import takewhile
 from typing import Protocol
 
-from bmoe.errors import ReadError
+from bmoe.errors import ReadCancelled, ReadError
 from bmoe.pipeline.channel import Channel
 from bmoe.pipeline.events import MAX_PROJ, ExpertKey, ReadItem, ReadJob, ReadRequest
 from bmoe.pipeline.hooks import Hooks
@@ -190,7 +190,7 @@ class ReadStage:
                     # so no read writes into a slot after the stage (and the slot's owner) moved on.
                     await _settle(work)
                     for request, ready in batch:
-                        self._fail(request, ready, ReadError(f"read of {request.key} cancelled"))
+                        self._fail(request, ready, ReadCancelled(f"read of {request.key} cancelled"))
                     raise
                 except Exception as exc:  # noqa: BLE001 - the hand-off itself failed: every read did
                     outcomes = [exc] * len(batch)
