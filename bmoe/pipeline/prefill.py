@@ -30,17 +30,16 @@ per-token compute is ``token_s`` (its one call's overhead spread over many token
 assumed uniform across experts: real routing is skewed, which makes unions smaller and hit rates
 higher; both enter through the measured hit rate, never through constants.
 
-``auto`` runs one batch whenever one batch keeps the cache budget (and with the cache off): it
-reads no more than any chunking, and a chunked prompt is summed by llama.cpp in another order
-than a batch, so its greedy output may differ from the resident run's, and a choice made from
-measured timings would make it differ from run to run. (The estimate can favour chunks only
-through its own inconsistency: a uniform-routing union for the batch against a hit rate measured
-on skewed routing for the chunks; a 50-token prompt on a 48-layer model chose chunks of 2 that way
-by 0.8 % of estimated time, and its 7th token differed from resident's.) Only where one batch would
-break the budget, and expert-major cannot run, does ``auto`` take the cheapest chunk size among
-those that keep it (all of them when none does). Every estimate is None until measured, and a
-choice with an unmeasured term falls back to one batch (llama.cpp's own behaviour), never to a
-guess.
+``auto`` never chunks: it runs one batch, or expert-major where one batch would break the
+budget and the model has the expert chain for it. A chunked prompt is summed by llama.cpp in
+another order than a batch, so its greedy output may differ from the resident run's (and a choice
+made from measured timings would make it differ from run to run): on gemma4, gpt-oss and llama4,
+which have no expert-major path, a chat with a cache smaller than a prompt's union chose micro-
+batches from its second turn and its replies left the resident run's (an audit, 2026-12-07). One
+batch whose union exceeds the budget holds it for that layer's duration, inside the room the
+memory model sets aside for a prompt's union (``bmoe.pipeline.budget``). The forced ``micro`` and
+``token`` strategies remain, exact against a resident run of the same batching. Chunk estimates
+(``estimate_s`` of any size) stay for the benches.
 """
 
 from __future__ import annotations
@@ -171,22 +170,19 @@ def choose(
             + ("" if est_full is None else f" (est {est_full:.3f} s, one batch's)"),
             None if est_full is None else {full: est_full},
         )
-    options = sorted({c for c in CANDIDATES if c < full} | {full})
-    est = {c: estimate_s(layers, n_tokens, c, rates) for c in options}
-    if any(v is None for v in est.values()):
+    # Always one batch (the module doc): chunks sum in another order than the resident run's one
+    # batch, so their greedy output may differ; where one batch's union exceeds the budget, it
+    # does so for its layer's duration, inside the room the memory model set aside for it.
+    est_full = estimate_s(layers, n_tokens, full, rates)
+    est = None if est_full is None else {full: float(est_full)}
+    if est_full is None:
         return Choice(n_batch, "batch", "not measured yet: one batch")
-    keep = [c for c in options if fits(layers, c, rates.hit, budget_bytes)]
-    # One batch whenever it keeps the budget (the module doc): the resident run's sums.
-    best = full if full in keep else min(keep or options, key=lambda c: (est[c], -c))  # ties: the larger
-    chunk = n_batch if best == full else best
-    how = strategy_of(best, n_tokens, n_batch)
-    if best == full:
-        reason = (f"one batch keeps the budget: est {est[full]:.3f} s" if full in keep else
-                  f"no chunk size keeps the {budget_bytes / 2**20:.0f} MiB budget; one batch is the cheapest")
-    else:
-        reason = (f"{how} x{best}: est {est[best]:.3f} s vs one batch {est[full]:.3f} s; one batch would "
-                  f"exceed the {budget_bytes / 2**20:.0f} MiB budget")
-    return Choice(chunk, how, reason, {c: float(v) for c, v in est.items() if v is not None})
+    if fits(layers, full, rates.hit, budget_bytes):
+        return Choice(n_batch, "batch", f"one batch keeps the budget: est {est_full:.3f} s", est)
+    return Choice(n_batch, "batch",
+                  f"one batch (est {est_full:.3f} s): its union exceeds the {budget_bytes / 2**20:.0f} MiB budget for a "
+                  "layer's duration, inside the room set aside for it; chunks would change the output and this "
+                  "model has no expert-major path", est)
 
 
 __all__ = [
