@@ -378,8 +378,9 @@ class Session:
         same way); ``logits()`` holds the scores of the Piece being consumed.
 
         The context keeps what it last evaluated: a prompt that begins with the same tokens
-        evaluates only the rest (``usage.prompt_evaluated``), with the same output a fresh session
-        gives.
+        evaluates only the rest (``usage.prompt_evaluated``) as a batch of its own, so the output
+        equals a fresh session's up to the order llama.cpp sums in (a token may change on some
+        models; ``RunConfig(reuse_prompt=False)`` is exact); streamed still equals resident.
 
         One generation runs at a time: a second waits its turn (first come, first served) until
         the first has finished or been closed. A generator left by ``break`` and no longer
