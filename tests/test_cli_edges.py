@@ -213,3 +213,14 @@ def test_a_groups_cause_is_shown_not_the_reads_it_cancelled() -> None:
     assert first_error(BaseExceptionGroup("stages", [cause, ReadCancelled("x"), real])) is real  # bmoe's first
     only = ReadCancelled("read of 2 cancelled")
     assert first_error(BaseExceptionGroup("stages", [only])) is only
+
+
+def test_a_prompt_past_the_context_names_the_flags(tmp_path: Path) -> None:
+    """It said "max_tokens (64) ... raise the context size (-c; -c on the command line)"."""
+    from bmoe.synth.tiny import write_tiny
+
+    (path,) = write_tiny(tmp_path / "t.gguf", TinySpec())
+    proc = subprocess.run([sys.executable, "-m", "bmoe.cli", "run", "-m", str(path), "-p", "word " * 230,
+                           "-c", "256", "-n", "64"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "+ -n (64) exceed the context (256); raise the context size (-c)" in proc.stderr, proc.stderr

@@ -239,7 +239,7 @@ _FLAG_OF = {
     "n_threads": "-t", "n_ctx": "-c", "open_mode": "--open-mode", "dense_weights": "--dense-weights",
     "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p", "repeat_penalty": "--repeat-penalty",
     "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
-    "json_schema": "--json-schema", "json_object": "a JSON object", "temperature": "--temp",
+    "json_schema": "--json-schema", "json_object": "a JSON object", "temperature": "--temp", "max_tokens": "-n",
 }
 _FLAG_WORDS = re.compile("|".join(rf"(?<![\w-]){re.escape(k)}(?![\w-])" for k in sorted(_FLAG_OF, key=len, reverse=True)))
 

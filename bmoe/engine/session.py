@@ -407,7 +407,7 @@ class Session:
         if len(tokens) + max_tokens > self._model.n_ctx:
             raise ConfigError(
                 f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceed the context "
-                f"({self._model.n_ctx}); raise the context size (n_ctx; -c on the command line)"
+                f"({self._model.n_ctx}); raise the context size (n_ctx)"
             )
         if self._lock is None:
             self._lock = asyncio.Lock()
