@@ -18,11 +18,13 @@ of them into a one-line message and exit status 1.
     |   +-- LlamaCallError        a llama.cpp call returned a failure code
     +-- TraceFormatError          a route trace that cannot be read (names the file and line)
     +-- ReadError                 an expert read failed or came back short
+    |   +-- ReadCancelled         a read given up because its stage was cancelled
     +-- BudgetError               a memory budget that cannot be honoured
     +-- RegionError               expert memory could not be released or unmapped (madvise, munmap)
     +-- ConfigError               a RunConfig value out of range
     |   +-- OutputPathError       an output path that is an input, a folder, or not writable
     +-- SessionClosedError        a call on a session that was closed (no native call is made)
+    +-- ComputeBusyError          a blocking open on an event loop whose session's decode waits on it
     +-- DecodeAbortedError        a decode was stopped; its tokens were not emitted
         +-- GenerationCancelled   the caller cancelled the generation
 """
@@ -112,6 +114,11 @@ class OutputPathError(ConfigError):
 
 class SessionClosedError(BmoeError):
     """The session was closed: its model and context are gone, so the call cannot be made."""
+
+
+class ComputeBusyError(BmoeError):
+    """A blocking wait for the compute thread, made on an event loop that a decode running there
+    waits on: each would wait for the other for ever (``Session.open_async`` is the way)."""
 
 
 class DecodeAbortedError(BmoeError):

@@ -19,7 +19,15 @@ from bmoe.engine.session import Session
 from bmoe.errors import ConfigError
 from bmoe.pipeline.events import PHASE_PREFILL
 from bmoe.pipeline.hooks import Hooks
-from bmoe.pipeline.prefill import LayerCache, Rates, choose, distinct, estimate_s, fits, read_bytes
+from bmoe.pipeline.prefill import (
+    LayerCache,
+    Rates,
+    choose,
+    distinct,
+    estimate_s,
+    fits,
+    read_bytes,
+)
 from bmoe.synth.tiny import TinySpec
 from tests.helpers import PROMPT, generate_tokens
 

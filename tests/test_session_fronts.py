@@ -192,7 +192,7 @@ async def test_a_second_model_opens_while_the_first_generates_on_the_loop(tiny) 
     loop. It is refused by name now; ``open_async`` opens it while the first goes on."""
     import threading
 
-    from bmoe.stages.compute import ComputeBusyError
+    from bmoe.errors import ComputeBusyError
 
     # deepseek2 is opened with a capture decode (its expert tensors found by running one), on the
     # compute thread: what the loop's thread would wait for.

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from bmoe.errors import BmoeError, GenerationCancelled
+from bmoe.errors import ComputeBusyError, GenerationCancelled
 from bmoe.pipeline.channel import Channel
 from bmoe.pipeline.events import GateItem
 
@@ -34,11 +34,6 @@ _here = threading.local()
 # waits for reads the loop serves), with how many such decodes are in flight. Touched on the
 # loops' own threads only.
 _decoding_for: dict[asyncio.AbstractEventLoop, int] = {}
-
-
-class ComputeBusyError(BmoeError):
-    """A blocking wait for the compute thread, made on an event loop that a decode running there
-    waits on: each would wait for the other for ever."""
 
 
 def _mark() -> None:
