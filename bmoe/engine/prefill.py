@@ -11,8 +11,9 @@ runs one batch.
 
 Chunking never reads fewer bytes than one batch under one routing (see ``bmoe.pipeline.prefill``):
 what it buys is a transient union that keeps the cache budget, at the price of a per-call compute
-overhead; ``auto`` therefore runs one batch unless that batch's expected per-layer union would
-exceed the budget.
+overhead, and a greedy output that may leave the resident run's one batch. ``auto`` therefore
+never chunks: one batch, or expert-major where one batch's union would exceed the budget and the
+model has the expert chain for it; ``micro`` and ``token`` are there when forced.
 
 Every strategy runs the same tokens through the same cache; greedy output is byte-identical to a
 resident run of the same batching (llama.cpp sums in a different order for a batch than for single
