@@ -134,7 +134,6 @@ def check_hparams(first: ShardIndex, layout: ModelLayout) -> None:
     n_ff = keys.per_layer("feed_forward_length", n_layer, 1, None)
     n_ff_exp = keys.per_layer("expert_feed_forward_length", n_layer, 1, None)
     _check_shared_expert(keys, layout, n_ff[0])
-    _check_layer_arrays(keys, n_layer)
     _check_layers(first, layout, n_layer)
     n_vocab = _check_vocab(first)
     _check_shapes(layout, n_embd, n_vocab, n_head, n_head_kv, heads, n_ff_exp)
@@ -270,19 +269,6 @@ def _check_layers(first: ShardIndex, layout: ModelLayout, n_layer: int) -> None:
                 f"{first.path}: {layout.arch} needs blk.{il}.{{{','.join(lacks)}}}.weight, the file lacks "
                 "them (relabelled from another architecture?)"
             )
-
-
-# Per-layer arrays read with llama.cpp's get_key_or_arr that no size check above covers: a short
-# one is taken as is, the layers past its end left at the default (a sliding-window pattern of
-# one value made every other layer full attention, silently).
-_LAYER_ARRAYS = ("attention.sliding_window_pattern",)
-
-
-def _check_layer_arrays(keys: _Keys, n_layer: int) -> None:
-    for key in _LAYER_ARRAYS:
-        span = keys.index.array_spans.get(keys.name(key))
-        if span is not None and span[1] != n_layer:
-            raise ModelFileError(f"{keys.path}: {keys.name(key)!r} has {span[1]} values for {n_layer} layers")
 
 
 def _ranges(layers: list[int]) -> str:

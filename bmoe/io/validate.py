@@ -138,6 +138,8 @@ def _check_aborting_metadata(first: ShardIndex, recipe: Recipe) -> None:
     n_layer = _int_key(first, key("block_count"))
     if n_layer is not None and not 1 <= n_layer <= MAX_LAYERS:
         raise ModelFileError(f"{path}: {key('block_count')} is {n_layer}, outside 1..{MAX_LAYERS}")
+    if n_layer is not None:
+        _check_layer_arrays(first, recipe, n_layer)
     nextn = _int_key(first, key("nextn_predict_layers"))
     if nextn is not None and n_layer is not None and not 0 <= nextn <= n_layer:
         raise ModelFileError(f"{path}: {key('nextn_predict_layers')} is {nextn}, more than {key('block_count')} {n_layer}")
@@ -175,13 +177,24 @@ def _check_aborting_metadata(first: ShardIndex, recipe: Recipe) -> None:
             raise ModelFileError(f"{path}: {key('rope.dimension_sections')} is {sections!r}: all-zero sections abort the first decode")
 
 
+# Per-layer arrays (llama.cpp's get_key_or_arr): a short one is taken as is, the layers past its
+# end left at the default (a sliding-window pattern of one value made every other layer full
+# attention, silently); and the checks below that read them said "missing" or "no block attends".
+_LAYER_ARRAYS = ("attention.head_count", "attention.head_count_kv", "attention.recurrent_layers",
+                 "attention.sliding_window_pattern", "feed_forward_length")
+
+
+def _check_layer_arrays(first: ShardIndex, recipe: Recipe, n_layer: int) -> None:
+    """Every per-layer array holds one value per block, before anything reads one."""
+    for name in (*_LAYER_ARRAYS, recipe.width_key):
+        span = first.array_spans.get(recipe.key(name))
+        if span is not None and span[1] != n_layer:
+            raise ModelFileError(f"{first.path}: {recipe.key(name)!r} has {span[1]} values for {n_layer} layers")
+
+
 def _check_some_block_attends(first: ShardIndex, recipe: Recipe, n_main: int) -> None:
     """A hybrid whose main blocks are all recurrent has no KV cache buffer: llama.cpp asserts."""
     key = recipe.key
-    for name in ("attention.recurrent_layers", "attention.head_count_kv"):
-        values = first.arrays.get(key(name))
-        if values is not None and len(values) < n_main:  # said as "no block attends" before
-            raise ModelFileError(f"{first.path}: {key(name)!r} has {len(values)} values for {n_main} layers")
     if recipe.recurrent_marker == "interval":
         marks = first.arrays.get(key("attention.recurrent_layers"))
         if marks is not None:
@@ -221,11 +234,8 @@ def _expert_width(layout: ModelLayout, recipe: Recipe, layer: int) -> int | None
     """The width key's value for ``layer`` (a scalar, or a per-layer array); None if absent."""
     key = recipe.key(recipe.width_key)
     value = layout.metadata.get(key)
-    if value is None and key in layout.arrays:
-        values = layout.arrays[key]
-        if len(values) != layout.n_layer:  # was reported as missing: say what is wrong with it
-            raise ModelFileError(f"{layout.shards[0]}: {key!r} has {len(values)} values for {layout.n_layer} layers")
-        value = values[layer]
+    if value is None and key in layout.arrays and layer < len(layout.arrays[key]):
+        value = layout.arrays[key][layer]
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
