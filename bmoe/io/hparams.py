@@ -340,16 +340,14 @@ def _array_bytes(index: ShardIndex, key: str, nbytes: int) -> bytes:
 
 
 def _read_int_array(index: ShardIndex, key: str) -> tuple[int, ...]:
-    etype, count, offset = index.array_spans[key]
+    etype, count, _ = index.array_spans[key]
     code = _INTS.get(GGUFValueType(etype))
     if code is None:
         raise ModelFileError(f"{index.path}: metadata key {key!r} is an array of {GGUFValueType(etype).name}, not integers")
     if count > MAX_LAYERS:
         raise ModelFileError(f"{index.path}: metadata key {key!r} has {count} values (at most {MAX_LAYERS} layers)")
-    with index.path.open("rb") as f:
-        f.seek(offset)
-        fmt = f"<{count}{code}"
-        return struct.unpack(fmt, f.read(struct.calcsize(fmt)))
+    fmt = f"<{count}{code}"
+    return struct.unpack(fmt, _array_bytes(index, key, struct.calcsize(fmt)))
 
 
 # Architectures whose attention projections are plain q/k/v/o of head_count x key_length: the
