@@ -11,6 +11,7 @@ import asyncio
 import json
 import re
 
+import numpy as np
 import pytest
 
 from bmoe.engine.config import MiB, RunConfig
@@ -283,3 +284,25 @@ def test_with_prompt_reuse_streamed_equals_resident_reuse_for_reuse(tiny) -> Non
 
     resident = tokens(RESIDENT)
     assert tokens(EVICTING) == resident == tokens(STREAM)
+
+
+@pytest.mark.parametrize("narrow", [{"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}])
+def test_filters_see_each_tokens_own_ids(tiny, narrow: dict) -> None:
+    """llama.cpp's top-k, top-p and min-p reorder the candidate array in place. The ids were set
+    once, so from the second token on the logits were drawn against the previous token's order:
+    a filter that leaves only the best token returned some other one."""
+    from bmoe.engine.sampling import Sampler
+
+    rng = np.random.default_rng(0)
+    with Session.open(tiny.path(TinySpec()), RESIDENT) as s:
+        model = s._model
+        sampler = Sampler(model.vocab, model.n_vocab, SamplingParams(temperature=1.0, seed=3, **narrow), [])
+        wide = Sampler(model.vocab, model.n_vocab, SamplingParams(temperature=1.0, seed=3, top_k=8), [])
+        try:
+            for _ in range(6):
+                logits = rng.normal(size=model.n_vocab).astype(np.float32)
+                assert sampler.sample(logits) == int(np.argmax(logits))
+                assert wide.sample(logits) in set(np.argsort(logits)[-8:].tolist())
+        finally:
+            sampler.close()
+            wide.close()

@@ -256,7 +256,7 @@ class Sampler:
         for token in prompt[-params.penalty_last_n:] if params.penalty_last_n else ():
             lib.llama_sampler_accept(self._chain, token)
         self._data = np.zeros(n_vocab, _TOKEN_DATA)
-        self._data["id"] = np.arange(n_vocab, dtype=np.int32)
+        self._ids = np.arange(n_vocab, dtype=np.int32)
         self._ptr = self._data.ctypes.data_as(lib.llama_token_data_p)
         self._array = lib.llama_token_data_array(self._ptr, n_vocab, -1, False)
         self._array_p = ctypes.pointer(self._array)
@@ -265,6 +265,9 @@ class Sampler:
         if self._chain is None:
             return int(np.argmax(logits))
         lib, arr = self._lib, self._array
+        # llama.cpp's top-k, top-p and min-p sort and compact the array in place: every column is
+        # rewritten each call, the ids too, or the next token's logits sit beside the last one's ids.
+        self._data["id"] = self._ids
         self._data["logit"] = logits
         self._data["p"] = 0.0
         arr.data, arr.size, arr.selected, arr.sorted = self._ptr, len(self._data), -1, False
