@@ -189,6 +189,14 @@ def test_a_request_refused_at_its_turn_does_not_count_the_last_generation_again(
     ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"5": -(10**400)}}, "logit_bias"),
     ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object", "schema": True}}, "response_format"),
+    # samplers bmoe has none for were dropped unseen (200, generated as if absent)
+    ("/v1/completions", {"prompt": "x", "typical_p": 0.5}, "typical_p"),
+    ("/v1/completions", {"prompt": "x", "mirostat_mode": 2, "temperature": 1}, "mirostat_mode"),
+    ("/v1/chat/completions", {"messages": CHAT, "mirostat": 1}, "mirostat"),
+    ("/v1/chat/completions", {"messages": CHAT, "tfs_z": 0.9}, "tfs_z"),
+    ("/v1/completions", {"prompt": "x", "ignore_eos": True}, "ignore_eos"),
+    ("/v1/completions", {"prompt": "x", "repeat_last_n": 8}, "repeat_last_n"),
+    ("/v1/completions", {"prompt": "x", "n_probs": 5}, "n_probs"),
 ])
 def test_parameters_bmoe_cannot_honour_are_refused_by_name(served, path: str, body: dict, param: str) -> None:
     url, _ = served
@@ -198,6 +206,14 @@ def test_parameters_bmoe_cannot_honour_are_refused_by_name(served, path: str, bo
     assert err["param"] == param and err["type"] == "invalid_request_error", err
     assert "Error" not in err["message"] and "object has no attribute" not in err["message"], err
     assert len(err["message"]) < 200, err
+
+
+def test_samplers_at_their_off_values_are_accepted(served) -> None:
+    url, _ = served
+    off = {"typical_p": 1, "tfs_z": 1.0, "mirostat_mode": 0, "mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1,
+           "ignore_eos": False, "repeat_last_n": 64, "n_probs": 0}
+    r = post(url, "/v1/completions", {"prompt": "x", "max_tokens": 2, **off})
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("path,body,param,message", [

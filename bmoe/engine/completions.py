@@ -53,10 +53,24 @@ class ContextOverflow(ParamError):
         return f"{self.what} does not fit the context ({self.n_ctx} tokens); {fix}"
 
 
-# llama-cpp-python's create_completion arguments bmoe has no sampler for, at their off values;
-# mirostat's tau and eta do nothing while its mode is 0, the only mode taken.
-_OFF_VALUES: dict[str, float] = {"typical_p": 1.0, "tfs_z": 1.0, "mirostat_mode": 0}
+# Samplers bmoe has none for, at the values that leave them off: llama-cpp-python's
+# create_completion arguments, and llama-server's names for the same (``mirostat``) or for what
+# bmoe keeps fixed (``repeat_last_n``: the penalties look at the last 64 tokens). mirostat's tau and
+# eta do nothing while its mode is 0, the only mode taken.
+_OFF_VALUES: dict[str, float | bool] = {
+    "typical_p": 1.0, "tfs_z": 1.0, "mirostat_mode": 0, "mirostat": 0, "ignore_eos": False, "n_probs": 0,
+    "repeat_last_n": SamplingParams.penalty_last_n,
+}
 _INERT = frozenset({"mirostat_tau", "mirostat_eta"})
+
+
+def _is_off(value: Any, off: float | bool) -> bool:
+    """``value`` leaves the sampler off: None, or the off value in its own kind (``True`` is not 1)."""
+    if value is None:
+        return True
+    if isinstance(off, bool) or isinstance(value, bool):
+        return value is off
+    return isinstance(value, int | float) and value == off
 
 
 def sampling_from(
@@ -73,7 +87,7 @@ def sampling_from(
     for name, value in other.items():
         if name in _INERT:
             continue
-        if name in _OFF_VALUES and (value is None or value == _OFF_VALUES[name]) and not isinstance(value, bool):
+        if name in _OFF_VALUES and _is_off(value, _OFF_VALUES[name]):
             continue
         if name in _OFF_VALUES:
             raise ParamError(f"{name} is not supported (only {_OFF_VALUES[name]}, which leaves it off)", name)

@@ -34,6 +34,17 @@ class _Sampling(BaseModel):
     grammar: str | None = None
     response_format: dict[str, Any] | None = None
     logit_bias: dict[str, Any] | None = None
+    # Samplers bmoe has none for (llama-cpp-python's server and llama-server send them): declared so
+    # that the engine accepts them at the values that leave them off and refuses any other by name.
+    typical_p: float | None = None
+    tfs_z: float | None = None
+    mirostat_mode: int | None = None
+    mirostat: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
+    ignore_eos: bool | None = None
+    repeat_last_n: int | None = None
+    n_probs: int | None = None
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Arguments for ``bmoe.engine.completions.prepare_*`` (None left out: the engine's
