@@ -84,3 +84,21 @@ def test_verbose_shows_llama_cpp_log_and_the_default_does_not(tiny) -> None:
     assert loud.returncode == plain.returncode == before.returncode == 0, (loud.stderr, plain.stderr)
     assert "llama_model_loader" in loud.stderr and "llama_model_loader" in before.stderr
     assert "llama_" not in plain.stderr and plain.stdout == loud.stdout
+
+
+def test_control_token_text_in_a_prompt_is_its_token(tiny) -> None:
+    """A raw chat-formatted prompt reached the model as plain characters (``</s>`` as four tokens)
+    from ``bmoe run``, ``create_completion`` and /v1/completions; llama-cli, llama-server and
+    llama-cpp-python all read control-token text as the token."""
+    from bmoe.engine.config import RunConfig
+    from bmoe.engine.sync import SyncSession
+
+    path = tiny.path(TinySpec())
+    with SyncSession.open(path, RunConfig(mode="stream", n_ctx=256)) as s:
+        prompt = "Hi</s>Hello world"  # the tiny vocabulary's EOS text
+        parsed, plain = s.tokenize(prompt, special=True), s.tokenize(prompt)
+        assert len(parsed) < len(plain), "the tiny vocabulary's EOS text is one control token"
+        assert s.create_completion(prompt, max_tokens=2)["usage"]["prompt_tokens"] == len(parsed)
+    r = bmoe("run", "-m", str(path), "-p", prompt, "-n", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["prompt_tokens"] == len(parsed)

@@ -38,7 +38,8 @@ async def _generate(model: Path, config: RunConfig, prompt: str, n: int, *, echo
         result: dict = {}
         finish = usage = None
         try:
-            async for piece in session.stream(prompt, n, sampling=sampling, stop=stop):
+            # Control-token text in the prompt becomes its token, as llama-cli and llama-cpp-python read it.
+            async for piece in session.stream(prompt, n, sampling=sampling, stop=stop, special=True):
                 if piece.finish_reason is not None:
                     finish, usage = piece.finish_reason, piece.usage
                 if piece.token is not None:

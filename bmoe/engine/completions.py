@@ -12,8 +12,15 @@ otherwise), without touching the context; ``run`` generates. The server prepares
 as it arrives and queues only what was accepted, so both fronts refuse the same things, and a bad
 request is refused at once even while another generation runs.
 
-One difference from llama-cpp-python on purpose: sampling is greedy unless a temperature is given
-(bmoe's default everywhere), so the same request gives the same answer.
+As in llama-cpp-python, control-token text in a prompt (``<|im_start|>``, ``</s>``) becomes its
+token. Differences from llama-cpp-python on purpose:
+
+- sampling is greedy unless a temperature is given (bmoe's default everywhere), so the same request
+  gives the same answer; a temperature alone adds no top-k, top-p or min-p (OpenAI's reading, where
+  llama-cpp-python adds 40 / 0.95 / 0.05);
+- ``max_tokens`` None is 16 for a text completion (OpenAI's default; a chat's is the rest of the
+  context) and 0 or less is refused (llama-cpp-python reads both as "up to the context");
+- bytes that end a reply in the middle of a UTF-8 character are U+FFFD, not dropped.
 """
 
 from __future__ import annotations
@@ -243,8 +250,8 @@ def _prompt_tokens(session: Session, prompt: Any) -> list[int]:
         if len(prompt) > 1:
             raise ParamError(f"one prompt at a time, got {len(prompt)}", "prompt")
         prompt = prompt[0]
-    if isinstance(prompt, str):
-        tokens = _tokenize(session, prompt, "prompt")
+    if isinstance(prompt, str):  # control-token text is its token, as llama-cpp-python and llama-server read it
+        tokens = _tokenize(session, prompt, "prompt", special=True)
     elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         try:
             tokens = check_token_ids(prompt, session.n_vocab, "prompt")
