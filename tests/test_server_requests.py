@@ -313,8 +313,19 @@ def test_text_offsets_follow_each_tokens_own_text_under_a_held_back_stop(served)
     stop = tokens[2] + "\x07never"  # a stop whose prefix is token 2's text: held back, then released
     held = post(url, "/v1/completions", {**body, "stop": stop}).json()["choices"][0]
     assert held["text"] == free["text"] and held["logprobs"]["tokens"] == tokens
-    want = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    want = [len("Hello") + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]  # from the prompt's start
     assert held["logprobs"]["text_offset"] == want == free["logprobs"]["text_offset"]
+
+
+def test_text_offsets_give_a_split_or_broken_character_to_the_token_that_began_it() -> None:
+    """A byte that began a character counted nothing, so the next token's offset was the broken
+    character's own: '\ufffd@ m' read [0, 0, 2]."""
+    from bmoe.engine.completions import _Offsets
+
+    broken = _Offsets(0)
+    assert [broken.next(b) for b in (b"\xe2", b"@", b" m")] == [0, 1, 2]
+    split = _Offsets(5)
+    assert [split.next(b) for b in (b"a", b"\xe2\x82", b"\xac", b"b")] == [5, 6, 7, 7]
 
 
 def test_top_logprobs_keep_every_token_and_the_chosen_one(served) -> None:

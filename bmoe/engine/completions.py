@@ -216,6 +216,7 @@ class Prepared:
     model: str
     logprobs: bool  # report them (how many alternatives: sampling.logprobs)
     splitter: Callable[[], Any] | None = None  # chat: a fresh reasoning / answer splitter
+    prompt_chars: int = 0  # a text completion's prompt length in characters (``text_offset`` counts from it)
 
 
 def _one(name: str, value: Any, allowed: Callable[[Any], bool], why: str) -> None:
@@ -281,7 +282,12 @@ def prepare_completion(
     params.check_vocab(session.n_vocab)
     tokens = _prompt_tokens(session, prompt)
     limit = _max_tokens(max_tokens, 16, session, len(tokens), "prompt")
-    return Prepared("text_completion", tuple(tokens), limit, params, stops, stream, name, logprobs is not None)
+    if isinstance(prompt, Sequence) and not isinstance(prompt, str) and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    chars = len(prompt) if isinstance(prompt, str) else len(
+        b"".join(session.token_bytes(t) for t in tokens).decode("utf-8", errors="replace"))
+    return Prepared("text_completion", tuple(tokens), limit, params, stops, stream, name, logprobs is not None,
+                    prompt_chars=chars)
 
 
 def _tools(tools: Any, tool_choice: Any, functions: Any, function_call: Any) -> None:
@@ -387,21 +393,25 @@ def _token_key(piece: bytes) -> str:
 
 
 class _Offsets:
-    """``text_offset`` of each token: where its own text starts in the completion. Counted over the
-    tokens' text, not the text released so far, which lags while a stop string's prefix is held."""
+    """``text_offset`` of each token: where its own text starts, counted from the start of the
+    prompt as OpenAI and llama-cpp-python count it (the prompt's characters, then the reply's).
+    Counted over the tokens' text, not the text released so far, which lags while a stop string's
+    prefix is held. A character whose bytes span tokens belongs to the token that started it: the
+    next token's own text starts after it."""
 
-    def __init__(self) -> None:
+    def __init__(self, start: int) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._at = 0
+        self._at = start
 
     def next(self, token_bytes: bytes) -> int:
-        at = self._at
+        pending = bool(self._decoder.getstate()[0])  # a character begun by an earlier token
+        at = self._at + pending
         self._at += len(self._decoder.decode(token_bytes))
         return at
 
 
 async def _text(session: Session, p: Prepared, pieces: AsyncIterator[Piece], ids: _Ids) -> Any:
-    offsets = _Offsets()
+    offsets = _Offsets(p.prompt_chars)
 
     def choice(piece: Piece) -> dict[str, Any]:
         lp = None
