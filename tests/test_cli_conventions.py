@@ -53,10 +53,13 @@ def test_seeded_sampling_flags_and_json_schema(tiny, tmp_path) -> None:
 def test_bad_sampling_values_are_one_line(tiny, tmp_path) -> None:
     path = tiny.path(TinySpec())
     for extra in (["--temp", "nan"], ["--top-p", "2"], ["--json-schema", "{oops"],
-                  ["--grammar-file", str(tmp_path / "missing.gbnf")], ["--stop", ""]):
+                  ["--grammar-file", str(tmp_path / "missing.gbnf")], ["--stop", ""], ["--temp", "1", "--seed", "-5"]):
         r = bmoe("run", "-m", str(path), "-p", "x", *extra)
         assert r.returncode == 1 and r.stderr.startswith("bmoe: error:"), (extra, r.stderr)
         assert len(r.stderr.splitlines()) == 1, (extra, r.stderr)
+        assert extra[-2] in r.stderr or extra[0] == "--grammar-file", ("the flag is named", extra, r.stderr)
+    r = bmoe("run", "-m", str(path), "-p", "x", "-n", "2", "--temp", "1", "--seed", "-1")
+    assert r.returncode == 0, ("-1 is a fresh seed, as the server and llama.cpp read it", r.stderr)
 
 
 def test_a_closed_stdout_ends_quietly(tiny) -> None:

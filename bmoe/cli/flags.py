@@ -124,7 +124,7 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repeat-penalty", type=float, default=1.0, help="penalise recent tokens (1 = off)")
     g.add_argument("--presence-penalty", type=float, default=0.0, help="penalise tokens already present (0 = off)")
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="penalise tokens by their count (0 = off)")
-    g.add_argument("--seed", type=int, default=None, help="seed of the draw (default: a fresh one each run)")
+    g.add_argument("--seed", type=int, default=None, help="seed of the draw (default, or -1: a fresh one each run)")
     g.add_argument("--grammar-file", type=Path, default=None, help="constrain the output with a GBNF grammar")
     g.add_argument("--json-schema", default=None,
                    help="constrain the output to JSON matching this schema (JSON text, or a file holding it)")
@@ -175,7 +175,8 @@ def _sampling_params(args: argparse.Namespace, grammar: str | None, schema: obje
     return SamplingParams(
         temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repeat_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, seed=args.seed, grammar=grammar, json_schema=schema,
+        frequency_penalty=args.frequency_penalty, grammar=grammar, json_schema=schema,
+        seed=None if args.seed == -1 else args.seed,  # -1: a fresh one, as llama.cpp and the server spell it
     )
 
 
@@ -240,6 +241,7 @@ _FLAG_OF = {
     "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p", "repeat_penalty": "--repeat-penalty",
     "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
     "json_schema": "--json-schema", "json_object": "a JSON object", "temperature": "--temp", "max_tokens": "-n",
+    "seed": "--seed", "stop": "--stop",
 }
 _FLAG_WORDS = re.compile("|".join(rf"(?<![\w-]){re.escape(k)}(?![\w-])" for k in sorted(_FLAG_OF, key=len, reverse=True)))
 
