@@ -306,3 +306,31 @@ def test_filters_see_each_tokens_own_ids(tiny, narrow: dict) -> None:
         finally:
             sampler.close()
             wide.close()
+
+
+@pytest.mark.parametrize("kw,param", [
+    ({"json_schema": {"type": "string", "maxLength": 50000}}, "json_schema"),  # SIGSEGV in llama.cpp's parser
+    ({"json_schema": {"type": "string", "minLength": 10 ** 8}}, "json_schema"),  # gigabytes, the GIL held
+    ({"json_schema": {"type": "array", "items": {"type": "object", "properties": {"a": {"maxItems": 99999}}}}},
+     "json_schema"),
+    ({"json_schema": {"type": "string", "pattern": "^a{20000}$"}}, "json_schema"),
+    ({"grammar": "root ::= " + "(" * 20000 + '"a"' + ")" * 20000}, "grammar"),  # SIGSEGV
+    ({"grammar": "root ::= " + '"a"' * 400_000}, "grammar"),
+])
+def test_grammars_llama_cpp_would_die_on_are_refused(kw: dict, param: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        SamplingParams(**kw)
+    assert info.value.param == param and len(str(info.value)) < 200, info.value
+
+
+def test_grammar_bounds_leave_ordinary_grammars_alone(tiny) -> None:
+    # brackets inside literals, classes and comments are not nesting
+    deep_text = "root ::= \"" + "(" * 5000 + "\" [(]* # " + "(" * 5000 + "\n"
+    params = [SamplingParams(grammar=deep_text, temperature=1.0, seed=1),
+              SamplingParams(json_schema={"type": "string", "maxLength": 1000}, temperature=1.0, seed=1)]
+    with Session.open(tiny.path(TinySpec()), RESIDENT) as s:
+        for p in params:
+            s.check_grammar(p)
+        with pytest.raises(ConfigError, match="could not parse") as info:
+            s.check_grammar(SamplingParams(json_schema={"enum": []}))
+        assert info.value.param == "json_schema"

@@ -197,6 +197,13 @@ def test_a_request_refused_at_its_turn_does_not_count_the_last_generation_again(
     ("/v1/completions", {"prompt": "x", "ignore_eos": True}, "ignore_eos"),
     ("/v1/completions", {"prompt": "x", "repeat_last_n": 8}, "repeat_last_n"),
     ("/v1/completions", {"prompt": "x", "n_probs": 5}, "n_probs"),
+    # a schema whose grammar nests past llama.cpp's parser stack killed the server (SIGSEGV)
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "maxLength": 50000}}}}, "response_format"),
+    ("/v1/completions", {"prompt": "x", "grammar": "root ::= " + "(" * 20000 + '"a"' + ")" * 20000}, "grammar"),
+    # a grammar llama.cpp cannot parse was refused only at its turn, naming no field
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"enum": []}}}}, "response_format"),
 ])
 def test_parameters_bmoe_cannot_honour_are_refused_by_name(served, path: str, body: dict, param: str) -> None:
     url, _ = served

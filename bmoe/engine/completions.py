@@ -115,8 +115,10 @@ def sampling_from(
     try:
         return SamplingParams(**kw)
     except ParamError as exc:
-        rename = {"json_schema": "response_format", "json_object": "response_format"}
-        raise ParamError(str(exc), rename.get(exc.param, exc.param)) from None
+        raise ParamError(str(exc), _RENAME.get(exc.param, exc.param)) from None
+
+
+_RENAME = {"json_schema": "response_format", "json_object": "response_format"}  # SamplingParams' names -> requests'
 
 
 def _logit_bias(bias: Any) -> tuple[tuple[int, float], ...]:
@@ -219,6 +221,14 @@ class Prepared:
     prompt_chars: int = 0  # a text completion's prompt length in characters (``text_offset`` counts from it)
 
 
+def _check_grammar(session: Session, params: SamplingParams) -> None:
+    """A grammar llama.cpp cannot parse is refused as the request is prepared, naming the field."""
+    try:
+        session.check_grammar(params)
+    except ParamError as exc:
+        raise ParamError(str(exc), _RENAME.get(exc.param, exc.param)) from None
+
+
 def _one(name: str, value: Any, allowed: Callable[[Any], bool], why: str) -> None:
     if not allowed(value):
         raise ParamError(f"{name} {why}", name)
@@ -280,6 +290,7 @@ def prepare_completion(
     _one("best_of", best_of, lambda v: v is None or (v == 1 and not isinstance(v, bool)), "must be 1")
     params = sampling_from(logprobs=logprobs, **sampling)
     params.check_vocab(session.n_vocab)
+    _check_grammar(session, params)
     tokens = _prompt_tokens(session, prompt)
     limit = _max_tokens(max_tokens, 16, session, len(tokens), "prompt")
     if isinstance(prompt, Sequence) and not isinstance(prompt, str) and isinstance(prompt[0], str):
@@ -323,6 +334,7 @@ def prepare_chat_completion(
          f"must be an integer in [0, {MAX_LOGPROBS}], got {top_logprobs!r}")
     params = sampling_from(logprobs=(top_logprobs or 0) if logprobs else None, **sampling)
     params.check_vocab(session.n_vocab)
+    _check_grammar(session, params)
     fmt = session.chat_format()
     prompt = fmt.render(messages_from(messages), chat_template_kwargs)
     tokens = _tokenize(session, prompt, "messages", special=True)

@@ -15,8 +15,12 @@ llama-cpp-python and OpenAI report them), not of the filtered distribution the d
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json as _json
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -36,6 +40,18 @@ _SCHEMA_RULE_FIXES = (
     (r'char ::= [^"\\] |', r'char ::= [^"\\\x7F\x00-\x1F] |'),
     (r"dot ::= [^\x0A\x0D]", r'dot ::= [^"\\\x7F\x00-\x1F]'),
 )
+
+
+# What llama.cpp's grammar parser survives: it descends recursively into every bracket, on the
+# calling thread's stack, and a request nesting 20000 deep killed the process (SIGSEGV; 10000 passed
+# on an 8 MiB stack). A schema's length and count bounds (``maxLength: N``) become N nested optional
+# groups in llama-cpp-python's converter, so they are held to the same depth; and the text itself is
+# bounded, since a bound of 10^8 made the converter build gigabytes while holding the GIL.
+MAX_GRAMMAR_DEPTH = 4096
+MAX_GRAMMAR_CHARS = 1 << 20
+_SCHEMA_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+_GBNF_OPAQUE = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|#[^\n]*')  # literals, classes, comments
+_PATTERN_COUNT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 
 
 class ParamError(ConfigError):
@@ -105,8 +121,15 @@ class SamplingParams:
             raise ParamError("give at most one of grammar, json_schema and json_object", "grammar")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
             raise ParamError("grammar must be non-empty GBNF text", "grammar")
+        if self.grammar is not None:
+            _check_gbnf(self.grammar, "grammar")
         if self.json_schema is not None:
-            self.gbnf()  # a schema the converter refuses fails here, where it was written
+            _check_gbnf(self.gbnf() or "", "json_schema")  # a schema refused fails here, where it was written
+
+    @property
+    def grammar_param(self) -> str:
+        """The field a grammar came from, for an error that names it."""
+        return "json_schema" if self.json_schema is not None else "json_object" if self.json_object else "grammar"
 
     def _check_logit_bias(self) -> None:
         bias = self.logit_bias
@@ -140,7 +163,11 @@ class SamplingParams:
                 and not self.frequency_penalty and not self.logit_bias and self.gbnf() is None)
 
     def gbnf(self) -> str | None:
-        """The grammar that constrains the output, in GBNF, or None."""
+        """The grammar that constrains the output, in GBNF, or None (converted once)."""
+        return self._gbnf
+
+    @cached_property
+    def _gbnf(self) -> str | None:
         if self.grammar is not None:
             return self.grammar
         if self.json_object:
@@ -155,8 +182,10 @@ class SamplingParams:
             schema = self.json_schema
             try:
                 text = schema if isinstance(schema, str) else _json.dumps(schema)
-                _json.loads(text)
+                _check_schema_counts(_json.loads(text))
                 gbnf = json_schema_to_gbnf(text)
+            except ParamError:
+                raise
             except Exception as exc:  # noqa: BLE001 - the converter raises bare exceptions of many kinds
                 raise ParamError(f"json_schema cannot be turned into a grammar: {exc}", "json_schema") from None
             for wrong, right in _SCHEMA_RULE_FIXES:
@@ -167,6 +196,68 @@ class SamplingParams:
 
 
 GREEDY = SamplingParams()
+
+
+def _check_gbnf(text: str, param: str) -> None:
+    """Refuse grammar text llama.cpp's parser would die on or take long over (``MAX_GRAMMAR_*``)."""
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise ParamError(f"{param}: the grammar is {len(text)} characters; bmoe takes at most {MAX_GRAMMAR_CHARS}",
+                         param)
+    brackets = re.sub(r"[^()]", "", _GBNF_OPAQUE.sub("", text))
+    depth = max(itertools.accumulate(1 if c == "(" else -1 for c in brackets), default=0)
+    if depth > MAX_GRAMMAR_DEPTH:
+        raise ParamError(f"{param}: the grammar nests {depth} groups deep; llama.cpp's parser takes at most "
+                         f"{MAX_GRAMMAR_DEPTH} (deeper overflows its stack)", param)
+
+
+def _schema_nodes(node: Any) -> Iterator[dict[str, Any]]:
+    stack = [node]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            yield node
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+
+
+def _check_schema_counts(schema: Any) -> None:
+    """Length and count bounds (and a pattern's ``{m,n}``) above ``MAX_GRAMMAR_DEPTH`` are refused
+    before conversion: the converter nests one group per unit, and builds the text first."""
+    for node in _schema_nodes(schema):
+        counts = [(k, node[k]) for k in _SCHEMA_COUNTS if isinstance(node.get(k), int | float)]
+        pattern = node.get("pattern")
+        if isinstance(pattern, str):
+            counts += [("pattern", int(n)) for m in _PATTERN_COUNT.finditer(pattern) for n in m.groups() if n]
+        for key, value in counts:
+            if not isinstance(value, bool) and value > MAX_GRAMMAR_DEPTH:
+                raise ParamError(f"json_schema: {key} {_clip(value)} is above {MAX_GRAMMAR_DEPTH}, the most a grammar "
+                                 "can spell out (each unit is a nested group in llama.cpp's parser)", "json_schema")
+
+
+def compile_grammar(vocab: Any, params: SamplingParams) -> Any:
+    """llama.cpp's grammar sampler for ``params`` (the caller frees it), or a ``ParamError`` naming
+    the field the grammar came from, with llama.cpp's own reason."""
+    lib = llama_lib()
+    gbnf = params.gbnf()
+    if gbnf is None:
+        return None
+    grammar = None
+    with stderr_kept(lambda: not grammar) as said:
+        grammar = lib.llama_sampler_init_grammar(vocab, gbnf.encode(), b"root")
+    if not grammar:
+        why = said[0].removeprefix("parse: ") if said else ""
+        raise ParamError("llama.cpp could not parse the grammar (GBNF)" + (f": {why}" if why else ""),
+                         params.grammar_param)
+    return grammar
+
+
+def check_grammar(vocab: Any, params: SamplingParams) -> None:
+    """Compile and free: a grammar llama.cpp cannot parse is refused when a request is prepared,
+    naming its field, rather than at its turn."""
+    grammar = compile_grammar(vocab, params)
+    if grammar is not None:
+        llama_lib().llama_sampler_free(grammar)
 
 
 @dataclass(frozen=True)
@@ -219,14 +310,8 @@ class Sampler:
         if params.greedy:
             return
         lib = self._lib = llama_lib()
-        gbnf = params.gbnf()
         try:
-            if gbnf is not None:
-                with stderr_kept(lambda: not self._grammar) as said:
-                    self._grammar = lib.llama_sampler_init_grammar(vocab, gbnf.encode(), b"root")
-                if not self._grammar:
-                    why = said[0].removeprefix("parse: ") if said else ""
-                    raise ConfigError("llama.cpp could not parse the grammar (GBNF)" + (f": {why}" if why else ""))
+            self._grammar = compile_grammar(vocab, params)
             self._chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
             add = lambda s: lib.llama_sampler_chain_add(self._chain, s)  # noqa: E731
             if params.logit_bias:

@@ -37,6 +37,7 @@ from bmoe.engine.sampling import (
     Sampler,
     SamplingParams,
     TokenLogprob,
+    check_grammar,
     logprobs_of,
 )
 from bmoe.engine.seam import LlamaModel, check_token_ids
@@ -314,6 +315,12 @@ class Session:
         model = self._live()
         ids = check_token_ids(tokens, model.n_vocab, "tokens")
         return b"".join(model.piece(t) for t in ids).decode("utf-8", errors="replace")
+
+    def check_grammar(self, sampling: SamplingParams) -> None:
+        """Compile ``sampling``'s grammar and free it: one llama.cpp cannot parse raises a
+        ``ParamError`` naming its field now, not when a generation starts (what a server's
+        request preparation calls; the vocabulary is read-only, so any thread may)."""
+        check_grammar(self._live().vocab, sampling)
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes a token stands for (a piece of a UTF-8 character, for byte tokens)."""
