@@ -174,6 +174,27 @@ def test_a_request_refused_at_its_turn_does_not_count_the_last_generation_again(
     assert (metric(url, "bmoe_completion_tokens"), metric(url, "bmoe_prompt_tokens")) == (tokens, prompt)
 
 
+def test_a_generation_failing_mid_way_counts_its_own_tokens_and_its_outcome(served) -> None:
+    """A grammar that reaches a dead end after one token: /metrics added the previous request's
+    usage (5 tokens) instead of this one's, and a stream ending in the error counted as ``ok``,
+    its error event typed ``server_error`` with no param."""
+    url, _ = served
+    dead_end = {"prompt": "x", "max_tokens": 6, "temperature": 0.8, "seed": 1, "grammar": 'root ::= [a-z] "\\x00"'}
+    assert post(url, "/v1/completions", {"prompt": "Count me", "max_tokens": 5}).status_code == 200
+    tokens = metric(url, "bmoe_completion_tokens")
+    r = post(url, "/v1/completions", dead_end)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "grammar", r.text
+    assert metric(url, "bmoe_completion_tokens") == tokens + 1, "the one token it made, not the last request's five"
+    ok, bad = metric(url, "bmoe_requests", "ok"), metric(url, "bmoe_requests", "bad_request")
+    with httpx.stream("POST", f"{url}/v1/completions", json={**dead_end, "stream": True}, timeout=GUARD_S) as resp:
+        events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and "choices" in json.loads(events[0]), events
+    err = json.loads(events[-2])["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == "grammar", err
+    assert (metric(url, "bmoe_requests", "ok"), metric(url, "bmoe_requests", "bad_request")) == (ok, bad + 1)
+    assert metric(url, "bmoe_completion_tokens") == tokens + 2
+
+
 @pytest.mark.parametrize("path,body,param", [
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),

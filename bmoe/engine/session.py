@@ -428,6 +428,7 @@ class Session:
             sampler = Sampler(model.vocab, model.n_vocab, sampling, tokens)
             stats = self._new_stats(len(tokens))
             self.last_stats = stats
+            self.last_usage = None  # this generation's, set as it ends however it ends
             start = self._counters()
             decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
             finish = "length"
@@ -489,6 +490,8 @@ class Session:
                     self._streaming.resume_pool()
                 sampler.close()
                 self._finish_stats(stats, start)
+                if self.last_usage is None:  # failed or left mid-way: what it did evaluate and make
+                    self._usage(tokens, completion, reused)
 
     async def generate(
         self, prompt: str | Sequence[int], max_tokens: int = 64, *, sampling: SamplingParams | None = None,

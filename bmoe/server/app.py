@@ -293,7 +293,7 @@ class _Generation(Response):
             if not self._prepared.stream:
                 await JSONResponse(result)(scope, receive, send)
                 return
-            await self._send_events(result, send, state)
+            outcome = await self._send_events(result, send, state)
         except asyncio.CancelledError:
             outcome = "disconnected"
             if not state["gone"]:
@@ -325,11 +325,14 @@ class _Generation(Response):
                 server.metrics.record(session.last_stats, session.last_usage)
             server.turns.leave(state["turn"])
 
-    async def _send_events(self, chunks: AsyncIterator[dict[str, Any]], send: Send, state: dict) -> None:
+    async def _send_events(self, chunks: AsyncIterator[dict[str, Any]], send: Send, state: dict) -> str:
+        """Send the stream; its outcome for the request metric. A failure after the status line
+        goes as an error event in the shape (and with the type) a 4xx or 5xx would have had."""
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
             (b"x-accel-buffering", b"no"),
         ]})
+        outcome = "ok"
         try:
             async with aclosing(chunks):
                 async for chunk in chunks:
@@ -338,10 +341,16 @@ class _Generation(Response):
                     data = b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
                     await send({"type": "http.response.body", "body": data, "more_body": True})
         except BmoeError as exc:  # the status line is out: the failure goes as an event
-            log.error("generation failed mid-stream: %s", exc)
-            data = b"data: " + json.dumps(error_body(str(exc), "server_error")).encode() + b"\n\n"
+            if isinstance(exc, ConfigError):
+                outcome, bad = "bad_request", _BadRequest.of(exc)
+                body = error_body(bad.message, param=bad.param, code=bad.code)
+            else:
+                outcome, body = "error", error_body(str(exc), "server_error")
+                log.error("generation failed mid-stream: %s", exc)
+            data = b"data: " + json.dumps(body).encode() + b"\n\n"
             await send({"type": "http.response.body", "body": data, "more_body": True})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+        return outcome
 
 
 def create_app(
