@@ -112,3 +112,23 @@ def test_a_signal_stops_the_server_after_its_route_trace_is_written(tiny, tmp_pa
     assert proc.returncode == 128 + sig, err
     assert err.strip().splitlines()[-1].startswith("bmoe: interrupted by"), err
     assert read_trace(trace_path).n_layer == 2
+
+
+def test_a_second_sigint_forces_the_servers_exit_without_a_traceback(tiny) -> None:
+    """uvicorn's forced exit cancels the lifespan task, and starlette logged that as a failed
+    shutdown, traceback and all."""
+    proc = subprocess.Popen([sys.executable, "-m", "bmoe.cli", "serve", "-m", str(tiny.path(TinySpec())), "--port", "0",
+                             "-c", "256"], stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    try:
+        assert "bmoe serve:" in proc.stderr.readline()
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)  # two deliveries, not one pending signal (the check does not depend on it)
+        proc.send_signal(signal.SIGINT)
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert "Traceback" not in err and "CancelledError" not in err, err

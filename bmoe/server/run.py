@@ -4,6 +4,7 @@ that a port of 0 can be reported, and a line on stderr once requests are accepte
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import socket
 import sys
@@ -70,6 +71,10 @@ class Server(uvicorn.Server):
         def on_signal(signum: int, frame: FrameType | None) -> None:
             if self.stopped_by is None:
                 self.stopped_by = signum
+            elif signum == signal.SIGINT:
+                # A second SIGINT forces the exit: uvicorn cancels the app's lifespan task, and
+                # starlette reports that cancel as a failed shutdown with its traceback.
+                logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)
             self.handle_exit(signum, frame)  # a second SIGINT forces the exit
 
         originals = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
