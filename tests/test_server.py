@@ -91,6 +91,25 @@ def test_streaming_chat_equals_the_whole_answer(served) -> None:
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_include_usage_ends_the_stream_with_a_usage_chunk_without_choices(served) -> None:
+    """``stream_options`` was dropped: OpenAI's shape, a last chunk with ``choices: []`` and the
+    usage, never came for the clients that wait for it."""
+    url, name = served
+    c = client(url)
+    chat = list(c.chat.completions.create(model=name, messages=CHAT, max_tokens=5, stream=True,
+                                          stream_options={"include_usage": True}))
+    text = list(c.completions.create(model=name, prompt="Once", max_tokens=5, stream=True,
+                                     stream_options={"include_usage": True}))
+    for chunks in (chat, text):
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5, chunks[-1]
+        assert chunks[-2].choices[0].finish_reason == "length"
+    plain = list(c.chat.completions.create(model=name, messages=CHAT, max_tokens=5, stream=True))
+    assert plain[-1].choices, "no extra chunk unless asked"
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "stream_options": {"include_usage": True}},
+                   timeout=GUARD_S)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
+
+
 def test_json_schema_response_format_and_logprobs(served) -> None:
     url, name = served
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}

@@ -219,6 +219,7 @@ class Prepared:
     logprobs: bool  # report them (how many alternatives: sampling.logprobs)
     splitter: Callable[[], Any] | None = None  # chat: a fresh reasoning / answer splitter
     prompt_chars: int = 0  # a text completion's prompt length in characters (``text_offset`` counts from it)
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with no choices carries usage
 
 
 def _check_grammar(session: Session, params: SamplingParams) -> None:
@@ -234,15 +235,20 @@ def _one(name: str, value: Any, allowed: Callable[[Any], bool], why: str) -> Non
         raise ParamError(f"{name} {why}", name)
 
 
-def _common(session: Session, *, stream: Any, stop: Any, n: Any, model: Any) -> tuple[tuple[str, ...], str]:
+def _common(session: Session, *, stream: Any, stop: Any, n: Any, model: Any,
+            stream_options: Any = None) -> tuple[tuple[str, ...], str, bool]:
+    """The checks both kinds share; the stop strings, the model name to report, include_usage."""
     _one("stream", stream, lambda v: isinstance(v, bool), "must be true or false")
+    _one("stream_options", stream_options, lambda v: v is None or (  # OpenAI's rule: only with stream true
+        stream is True and isinstance(v, Mapping) and isinstance(v.get("include_usage", False), bool)),
+        "is only for a stream (stream true), an object whose include_usage is true or false")
     _one("n", n, lambda v: v == 1 and not isinstance(v, bool), f"must be 1 (one generation at a time), got {n!r}")
     _one("model", model, lambda v: v is None or isinstance(v, str), "must be text")
     try:
         stops = StopStrings(stop).stops
     except ConfigError as exc:
         raise ParamError(str(exc), "stop") from None
-    return stops, model or session.model_name
+    return stops, model or session.model_name, bool(stream_options and stream_options.get("include_usage"))
 
 
 def _tokenize(session: Session, text: str, param: str, special: bool = False) -> list[int]:
@@ -279,12 +285,13 @@ def prepare_completion(
     session: Session, prompt: str | Sequence[int] | Sequence[str], *, max_tokens: int | None = 16,
     stream: bool = False, stop: str | Sequence[str] | None = None, logprobs: int | None = None,
     model: str | None = None, n: int = 1, echo: bool = False, suffix: str | None = None,
-    best_of: int | None = None, **sampling: Any,
+    best_of: int | None = None, stream_options: Mapping[str, Any] | None = None, **sampling: Any,
 ) -> Prepared:
     """A ``create_completion`` request checked and tokenized (``run`` answers it). ``prompt`` may
     also be a list of one string. ``echo``, ``suffix`` and ``best_of`` > 1 are refused, not
     ignored: bmoe does not do them."""
-    stops, name = _common(session, stream=stream, stop=stop, n=n, model=model)
+    stops, name, include_usage = _common(session, stream=stream, stop=stop, n=n, model=model,
+                                         stream_options=stream_options)
     _one("echo", echo, lambda v: v is False, "is not supported (only false)")
     _one("suffix", suffix, lambda v: v is None or v == "", "is not supported")
     _one("best_of", best_of, lambda v: v is None or (v == 1 and not isinstance(v, bool)), "must be 1")
@@ -298,7 +305,7 @@ def prepare_completion(
     chars = len(prompt) if isinstance(prompt, str) else len(
         b"".join(session.token_bytes(t) for t in tokens).decode("utf-8", errors="replace"))
     return Prepared("text_completion", tuple(tokens), limit, params, stops, stream, name, logprobs is not None,
-                    prompt_chars=chars)
+                    prompt_chars=chars, include_usage=include_usage)
 
 
 def _tools(tools: Any, tool_choice: Any, functions: Any, function_call: Any) -> None:
@@ -320,11 +327,12 @@ def prepare_chat_completion(
     stop: str | Sequence[str] | None = None, logprobs: bool = False, top_logprobs: int | None = None,
     model: str | None = None, n: int = 1, chat_template_kwargs: Mapping[str, Any] | None = None,
     tools: Any = None, tool_choice: Any = None, functions: Any = None, function_call: Any = None,
-    **sampling: Any,
+    stream_options: Mapping[str, Any] | None = None, **sampling: Any,
 ) -> Prepared:
     """A ``create_chat_completion`` request checked, rendered with the model's template and
     tokenized (``run`` answers it)."""
-    stops, name = _common(session, stream=stream, stop=stop, n=n, model=model)
+    stops, name, include_usage = _common(session, stream=stream, stop=stop, n=n, model=model,
+                                         stream_options=stream_options)
     _one("logprobs", logprobs, lambda v: isinstance(v, bool), "must be true or false for a chat completion")
     _one("chat_template_kwargs", chat_template_kwargs, lambda v: v is None or isinstance(v, Mapping),
          "must be an object")
@@ -340,7 +348,7 @@ def prepare_chat_completion(
     tokens = _tokenize(session, prompt, "messages", special=True)
     limit = _max_tokens(max_tokens, None, session, len(tokens), "messages")
     return Prepared("chat.completion", tuple(tokens), limit, params, stops, stream, name, logprobs,
-                    lambda: fmt.splitter(prompt))
+                    lambda: fmt.splitter(prompt), include_usage=include_usage)
 
 
 async def completion(session: Session, prompt: str | Sequence[int], **kwargs: Any) -> Any:
@@ -448,6 +456,8 @@ async def _text(session: Session, p: Prepared, pieces: AsyncIterator[Piece], ids
                     if piece.finish_reason is not None:
                         body["usage"] = _usage(piece)
                     yield chunk(body)
+                    if piece.finish_reason is not None and p.include_usage:
+                        yield chunk({"choices": [], "usage": body["usage"]})
 
         return chunks()
     parts, lps, last = [], [], None
@@ -500,6 +510,8 @@ async def _chat(session: Session, p: Prepared, pieces: AsyncIterator[Piece], ids
                     if answer or (not reasoning and piece.finish_reason is None):
                         delta["content"] = answer
                     yield chunk(delta, piece)
+                    if piece.finish_reason is not None and p.include_usage:
+                        yield {**chunk({}, None), "choices": [], "usage": _usage(piece)}
 
         return chunks()
     parts, thoughts, content_lps, last = [], [], [], None

@@ -134,8 +134,8 @@ class SamplingParams:
     def _check_logit_bias(self) -> None:
         bias = self.logit_bias
         if not isinstance(bias, tuple) or len(bias) > MAX_LOGIT_BIAS:
-            raise ParamError(f"logit_bias must be a tuple of at most {MAX_LOGIT_BIAS} (token id, bias) pairs",
-                             "logit_bias")
+            many = f", got {len(bias)}" if isinstance(bias, tuple) else ""
+            raise ParamError(f"logit_bias takes at most {MAX_LOGIT_BIAS} (token id, bias) entries{many}", "logit_bias")
         for pair in bias:
             ok = isinstance(pair, tuple) and len(pair) == 2
             token, value = pair if ok else (None, None)

@@ -30,6 +30,7 @@ class _Sampling(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool | None = None
+    stream_options: dict[str, Any] | None = None
     n: int | None = None
     grammar: str | None = None
     response_format: dict[str, Any] | None = None
