@@ -74,14 +74,16 @@ async def _interruptible(coro):  # noqa: ANN001, ANN202
             raise Interrupted(got[0])
 
 
-def _prompt_text(text: str) -> str:
-    """A prompt from the command line as valid text: bytes that are not UTF-8 (which Python keeps as
-    lone surrogates) become U+FFFD, with a warning, instead of failing inside the tokenizer."""
+def _prompt_text(text: str, quiet: bool = False) -> str:
+    """A prompt from the command line, a file or standard input as valid text: bytes that are not
+    UTF-8 (kept as lone surrogates, as Python keeps them in ``sys.argv``) become U+FFFD, with a
+    warning (none with ``quiet``), instead of failing inside the tokenizer."""
     try:
         text.encode("utf-8")
         return text
     except UnicodeEncodeError:
-        print("bmoe: warning: the prompt is not valid UTF-8; invalid bytes replaced by U+FFFD", file=sys.stderr)
+        if not quiet:
+            print("bmoe: warning: the prompt is not valid UTF-8; invalid bytes replaced by U+FFFD", file=sys.stderr)
         return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 

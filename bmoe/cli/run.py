@@ -49,16 +49,17 @@ def _prompt_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _prompt(args: argparse.Namespace) -> str:
-    """The prompt of -p TEXT, -p - (standard input) or -f FILE; undecodable bytes kept as U+FFFD.
-    An empty one is a usage error (status 2), whichever way it came."""
+    """The prompt of -p TEXT, -p - (standard input) or -f FILE, bytes that are not UTF-8 kept as lone
+    surrogates whichever way it came, for ``_prompt_text`` to replace and warn about. An empty one is
+    a usage error (status 2)."""
     if args.file is not None:
         try:
-            text = args.file.read_bytes().decode("utf-8", errors="replace")
+            text = args.file.read_bytes().decode("utf-8", "surrogateescape")
         except OSError as exc:
             raise ConfigError(f"-f {args.file}: {exc.strerror}") from None
         where = f" (-f {args.file})"
     elif args.prompt == "-":
-        text, where = sys.stdin.buffer.read().decode("utf-8", errors="replace"), " (-p -: standard input)"
+        text, where = sys.stdin.buffer.read().decode("utf-8", "surrogateescape"), " (-p -: standard input)"
     else:
         text, where = args.prompt, ""
     if not text:
@@ -72,7 +73,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     sampling = _sampling(args)
     partial: dict = {}
     try:
-        result = _run(_generate(args.model, config, _prompt_text(_prompt(args)), args.n_predict,
+        result = _run(_generate(args.model, config, _prompt_text(_prompt(args), args.quiet), args.n_predict,
                                 echo=not args.json, progress=args.progress, csv_path=args.csv, sampling=sampling,
                                 stop=args.stop, quiet=args.quiet, partial=partial))
     except Interrupted:

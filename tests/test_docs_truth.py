@@ -1,0 +1,49 @@
+"""What the README and docs/robustness.md say, held to what the code does: each test pins one
+sentence that an audit found untrue."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bmoe.synth.tiny import TinySpec
+
+NOT_UTF8 = b"caf\xe9 \xff ok"
+WARNING = b"bmoe: warning: the prompt is not valid UTF-8; invalid bytes replaced by U+FFFD"
+
+
+def bmoe(*args: str | bytes, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run([sys.executable, "-m", "bmoe.cli", *args], input=stdin, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, timeout=120)
+
+
+@pytest.mark.parametrize("source", ["-p TEXT", "-p -", "-f FILE"])
+def test_a_prompt_that_is_not_utf8_warns_whichever_way_it_comes(tiny, tmp_path, source: str) -> None:
+    """docs/robustness.md: "a prompt that is not UTF-8 is accepted (invalid bytes become U+FFFD,
+    with a warning)". Only -p TEXT warned; -f FILE and -p - replaced the bytes silently."""
+    model = str(tiny.path(TinySpec()))
+    stdin = None
+    if source == "-p TEXT":
+        prompt = ["-p", NOT_UTF8]
+    elif source == "-p -":
+        prompt, stdin = ["-p", "-"], NOT_UTF8
+    else:
+        (tmp_path / "prompt.txt").write_bytes(NOT_UTF8)
+        prompt = ["-f", str(tmp_path / "prompt.txt")]
+    runs = {}
+    for quiet in ((), ("-q",)):
+        proc = bmoe("run", "-m", model, *prompt, "-n", "3", "-c", "256", "--json", *quiet, stdin=stdin)
+        assert proc.returncode == 0, proc.stderr
+        runs[quiet] = proc
+    warned = [line for line in runs[()].stderr.splitlines() if b"not valid UTF-8" in line]
+    assert warned == [WARNING], runs[()].stderr
+    assert b"not valid UTF-8" not in runs[("-q",)].stderr, "-q: only the text and errors"
+    replaced = bmoe("run", "-m", model, "-p", NOT_UTF8.decode("utf-8", "replace"), "-n", "3", "-c", "256", "--json")
+    assert replaced.returncode == 0 and b"UTF-8" not in replaced.stderr, replaced.stderr
+    want = {k: json.loads(replaced.stdout)[k] for k in ("tokens", "prompt_tokens")}
+    for proc in runs.values():  # the same prompt: invalid bytes became U+FFFD
+        assert {k: json.loads(proc.stdout)[k] for k in want} == want
+
