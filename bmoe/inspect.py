@@ -1,7 +1,7 @@
 """``bmoe inspect MODEL``: what a model file is, and whether and how it runs here, from its index.
 
 Reads only the GGUF index (the same validation every run makes first; milliseconds, llama.cpp is
-never loaded): architecture and support, blocks by kind, experts, quant types, the byte budget of
+never loaded): architecture, blocks by kind, experts, quant types, the byte budget of
 the experts and the dense part, and for a RAM size (default: what this machine has available now)
 whether the model runs resident, streamed, or not at all, the cache budget ``auto`` would choose,
 and a decode speed forecast for a few budgets with every input shown and labelled by where it
@@ -20,6 +20,10 @@ experts of archs whose user open fuses them, or not enough memory for the user o
 
 forecast tok/s = 1 / (read bytes per token / read rate + active bytes per token / compute rate),
 reads and compute in series (no overlap, no read-ahead).
+
+A file of an architecture with no bmoe recipe gets no report: the validation refuses it with one
+line (``UnsupportedArchitectureError``: "architecture 'X' has no bmoe recipe (supported: ...)").
+So a report's ``supported`` is always true; the field stays for the JSON's readers.
 """
 
 from __future__ import annotations
@@ -158,6 +162,39 @@ def cached_read_rate(directory: Path, slice_bytes: int, lanes: int) -> ProbeResu
         return None
 
 
+def _verdict(dense: int, bank: int, mtp: int, ws: int, needs: Needs, ram: int, ram_of: str) -> tuple[str, str]:
+    """Resident, streamed or cannot run, and why, naming every figure the RAM was compared with:
+    beside the model's bytes, the margin left to the kernel and other programs and the interpreter's
+    allowance (``bmoe.pipeline.budget``; the index cannot know llama.cpp's buffers, counted as 0)."""
+    beside = [(f"the margin (3 % of {ram_of}, at least 256 MiB)", needs.margin),
+              ("the interpreter's allowance", needs.interpreter)]
+
+    def compared(parts: list[tuple[str, int]], fits: bool) -> str:
+        names = [n for n, _ in parts]
+        total = sum(b for _, b in parts)
+        figures = " + ".join(mib_text(b) for _, b in parts)
+        left, right = mib_text(total), mib_text(ram)
+        if left == right:  # rounded to the same whole MiB: show the decimal that tells them apart
+            left, right = f"{total / MiB:.1f}", f"{ram / MiB:.1f}"
+        return (f"{', '.join(names[:-1])} and {names[-1]} {'fit' if fits else 'exceed the RAM'}: "
+                f"{figures} = {left} MiB {'<=' if fits else '>'} {right} MiB")
+
+    whole = [("the dense part", dense), ("every expert", bank), *([("the MTP blocks", mtp)] if mtp else []), *beside]
+    if sum(b for _, b in whole) <= ram:
+        return "resident", compared(whole, True) + ": no streaming needed"
+    token = [("the dense part", dense), *beside, ("one token's working set", ws)]
+    union = [("the dense part", dense), *beside,
+             ("a prompt layer's expert union (at 512 tokens a batch, held whole while the layer computes)",
+              needs.transient)]
+    if sum(b for _, b in token) <= ram and needs.transient > ws:
+        if sum(b for _, b in union) <= ram:
+            return "streamed", compared(union, True) + "; the expert bank does not"
+        return "cannot run", compared(union, False) + "; one token's working set would fit in its place"
+    if sum(b for _, b in token) <= ram:
+        return "streamed", compared(token, True) + "; the expert bank does not"
+    return "cannot run", compared(token, False)
+
+
 def inspect_model(path: str | os.PathLike[str], *, ram_bytes: int | None = None, probe: bool = False,
                   lanes: int = DEFAULT_LANES, compute_gbs: float | None = None) -> Report:
     layout = open_layout(path)
@@ -187,16 +224,8 @@ def inspect_model(path: str | os.PathLike[str], *, ram_bytes: int | None = None,
     # Streaming needs one token's experts, or a prompt layer's union where that is more: the cache
     # pins it whole (the budget model holds it inside the cache, never beside it).
     floor = others + max(0, needs.transient - ws)
-    if dense + bank + layout.skipped_bytes + others <= ram_bytes:
-        verdict, why = "resident", "dense + every expert fit beside what else the process needs: no streaming needed"
-    elif dense + ws + floor <= ram_bytes:
-        verdict, why = "streamed", "the dense part and one token's experts fit, the expert bank does not"
-    elif dense + ws + others <= ram_bytes:
-        verdict, why = "cannot run", (
-            f"the dense part + a prompt layer's expert union ({mib_text(needs.transient)} MiB at 512 tokens a "
-            "batch, held whole while the layer computes) exceed the RAM; one token's working set would fit")
-    else:
-        verdict, why = "cannot run", "the dense part + one token's working set exceed the RAM"
+    verdict, why = _verdict(dense, bank, layout.skipped_bytes, ws, needs, ram_bytes,
+                            "the RAM given" if ram_how.startswith("given") else "MemTotal")
     open_mode, open_reason = choose_open_mode(layout, streaming=True)
     open_read = dense if open_mode == "user" else layout.file_bytes
     budget = resolve_budget(None, ceiling=None, mem_available=ram_bytes, needs=needs,

@@ -47,3 +47,23 @@ def test_a_prompt_that_is_not_utf8_warns_whichever_way_it_comes(tiny, tmp_path, 
     for proc in runs.values():  # the same prompt: invalid bytes became U+FFFD
         assert {k: json.loads(proc.stdout)[k] for k in want} == want
 
+
+def test_inspect_cannot_run_names_what_it_compares(tiny) -> None:
+    """``bmoe inspect --ram 0.3`` said "the dense part + one token's working set exceed the RAM"
+    when those two fit: the margin and the interpreter's allowance are what did not."""
+    from bmoe.inspect import MiB, inspect_model
+    from bmoe.pipeline.budget import INTERPRETER_GROWTH, margin_bytes
+
+    path = tiny.path(TinySpec())
+    ram = int(0.3 * (1 << 30))
+    r = inspect_model(path, ram_bytes=ram)
+    assert r.dense_bytes + r.bytes_per_token_cache_off < ram  # what the old line said did not fit
+    assert r.verdict == "cannot run", r.verdict_why
+    margin = margin_bytes(ram)
+    assert margin == 256 * MiB  # 3 % of 0.3 GiB is below the floor
+    why = r.verdict_why
+    assert "margin (3 % of the RAM given, at least 256 MiB)" in why and "interpreter's allowance" in why, why
+    assert f"+ {margin // MiB} + {INTERPRETER_GROWTH // MiB} +" in why, why
+    assert why.endswith(f"> {ram // MiB} MiB"), why
+    fits = inspect_model(path, ram_bytes=8 << 30)
+    assert fits.verdict == "resident" and "<= 8192 MiB" in fits.verdict_why, fits.verdict_why
