@@ -4,6 +4,8 @@ the model rests on."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from bmoe.engine.config import RunConfig
@@ -125,6 +127,30 @@ def test_smaps_totals() -> None:
     assert parse_smaps("") == SmapsTotals(0, 0)
     experts = parse_smaps(SMAPS, ["/models/m.gguf"], exclude_ranges=[(0x7F0000080000, 0x7F0000180000)])
     assert experts.untouched_anon == (1024 - 256 - 512 + 100 - 60) * 1024, "expert bytes are no need (the part inside the mapping)"
+
+
+def test_smaps_excludes_the_model_however_its_path_was_typed(tmp_path, monkeypatch) -> None:
+    """smaps names files by their real path: a relative -m path or a link never matched, and the
+    model's own mapped pages counted as code (the whole file under --open-mode mmap)."""
+    model = tmp_path / "real" / "m.gguf"
+    model.parent.mkdir()
+    model.write_bytes(b"x")
+    (tmp_path / "link.gguf").symlink_to(model)
+    text = SMAPS.replace("/models/m.gguf", str(model.resolve()))
+    monkeypatch.chdir(tmp_path)
+    for typed in ("real/m.gguf", "link.gguf", str(tmp_path / "link.gguf"), str(model)):
+        assert parse_smaps(text, [typed]).code_file == 8 * 1024, typed
+
+
+@pytest.mark.parametrize("open_mode,in_file", [("user", False), ("reserved", False), ("mmap", True)])
+def test_dense_bytes_count_as_file_pages_only_where_they_are(tiny, open_mode: str, in_file: bool) -> None:
+    """The reserved open copies the dense part into anonymous memory as the user open does; it was
+    counted again as file pages, taking its size off ``auto`` and off the guard's watermarks."""
+    path = tiny.path(TinySpec())
+    with Session.open(path, RunConfig(mode="stream", n_ctx=256, open_mode=open_mode, cache_bytes=None)) as s:
+        how = s.budget_how
+    dense = re.search(r"([\d.,]+) MiB dense in the file mapping", how or "")
+    assert dense is not None and (float(dense.group(1).replace(",", "")) > 0) == in_file, how
 
 
 def test_session_refuses_a_budget_that_cannot_fit_and_runs_it_forced(tiny, monkeypatch) -> None:

@@ -234,8 +234,9 @@ class Session:
                 check_live_tensor(next(iter(tensors.values())))
                 if opened.open_mode == "mmap-drop":
                     release_file_pages(layout, mapping_spans(layout, tensors))
-                parts = StreamParts.live(layout, tensors, config, dense_in_file=opened.open_mode != "user",
-                                         n_batch=model.n_batch)
+                # The user and reserved opens copy the dense part into anonymous memory.
+                in_file = opened.open_mode not in ("user", "reserved")
+                parts = StreamParts.live(layout, tensors, config, dense_in_file=in_file, n_batch=model.n_batch)
                 overlap = _plan_overlap(model, callback, layout, tensors) if config.overlap else None
                 predictor = None
                 if config.predict_prefetch or config.predicts_prompts:

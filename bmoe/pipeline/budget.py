@@ -20,6 +20,7 @@ grow an ``auto`` budget into the room set aside for buffers not touched yet (``g
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -183,7 +184,9 @@ def parse_smaps(
     they overlap (the kernel merges neighbouring anonymous mappings, so a range may share one with
     buffers that are needs). Thread stacks count as untouched anonymous memory too: a few MiB per
     thread of overestimate, on the safe side."""
-    excluded = set(exclude_paths)
+    # smaps names a file by its absolute, symlink-free path: a path as typed ("model.gguf", a link)
+    # never matched, and the model's own mapped pages counted as code (the whole file, mmap'd).
+    excluded = {os.path.realpath(p) for p in exclude_paths}
     ranges = list(exclude_ranges)
     untouched = code = 0
     kind: str | None = None  # "anon", "file" or None (not counted)
