@@ -67,3 +67,24 @@ def test_inspect_cannot_run_names_what_it_compares(tiny) -> None:
     assert why.endswith(f"> {ram // MiB} MiB"), why
     fits = inspect_model(path, ram_bytes=8 << 30)
     assert fits.verdict == "resident" and "<= 8192 MiB" in fits.verdict_why, fits.verdict_why
+
+
+def test_the_errors_the_docs_name_are_importable_from_bmoe() -> None:
+    """The README names ``ComputeBusyError`` and ``ConfigError`` beside ``SessionClosedError``;
+    only ``BmoeError`` and ``SessionClosedError`` were importable from ``bmoe``."""
+    import re
+    from pathlib import Path
+
+    import bmoe
+    import bmoe.errors
+
+    root = Path(bmoe.__file__).parent.parent
+    named = set()
+    for doc in ("README.md", "docs/robustness.md"):
+        named |= set(re.findall(r"`(\w+(?:Error|Cancelled))`", (root / doc).read_text()))
+    assert {"ComputeBusyError", "ConfigError", "SessionClosedError", "BmoeError", "ReadError"} <= named
+    for name in named:
+        assert getattr(bmoe, name) is getattr(bmoe.errors, name), name
+    every = {n for n, v in vars(bmoe.errors).items() if isinstance(v, type) and issubclass(v, bmoe.errors.BmoeError)}
+    assert every <= set(bmoe.__all__) and every <= set(dir(bmoe))
+    exec(f"from bmoe import {', '.join(sorted(every))}", {})
