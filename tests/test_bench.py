@@ -150,6 +150,8 @@ def test_bench_json_and_files_under_a_ram_limit(model: Path, tmp_path: Path, mon
         assert sq[key] is not None and sq[key] > 0, key
     assert sq["started_after_token"] == 3 and "squeeze" in result["how"]
     assert result["runs"][[r["id"] for r in result["runs"]].index("all_cached")]["hit_pct"] == 100.0
+    auto = next(r for r in result["runs"] if r["id"] == "stream_auto")  # was empty: the budget auto chose
+    assert auto["budget_mib"] and "chosen by the run" in auto["notes"], auto
     assert [p["lanes"] for p in result["probe"]] == [1, 2, 4, 8]
     assert result["machine"]["cores"] and result["machine"]["kernel"] and result["machine"]["cpu_model"]
     assert result["config"]["balloon"]["lock_bytes"] == LOCK
@@ -240,6 +242,31 @@ def test_bad_options_are_config_errors(model: Path) -> None:
         harness.BenchOptions(model, tokens=1).validate()
     with pytest.raises(ConfigError, match="io-threads"):
         harness.BenchOptions(model, io_threads=0).validate()
+    with pytest.raises(ConfigError, match="context of 100000256 tokens"):  # was found after every run, by each
+        harness.BenchOptions(model, ttft_lengths=(99999999,)).validate()
+
+
+@pytest.mark.parametrize("flag,value", [("--ram-limit", "nan"), ("--ram-limit", "inf"), ("--squeeze", "1e300"),
+                                        ("--budgets", "nan"), ("--budgets", "inf"), ("--timeout", "nan"),
+                                        ("--stock-timeout", "0")])
+def test_non_finite_numbers_are_parse_errors(model: Path, flag: str, value: str) -> None:
+    """nan, inf and 1e300 passed the checks and ended in an internal error (NaN to integer)."""
+    with pytest.raises(SystemExit) as info:
+        parse([str(model), flag, value])
+    assert info.value.code == 2
+
+
+def test_a_squeeze_larger_than_the_room_left_is_skipped_with_its_reason(model: Path) -> None:
+    """The squeeze balloon is locked and kept from the OOM killer: one bigger than the room beside
+    the run would have had the kernel kill the run or other programs instead."""
+    from types import SimpleNamespace
+
+    layout = SimpleNamespace(dense_bytes=512 * MiB, expert_bytes=4 * GiB, file_bytes=4 * GiB + 512 * MiB,
+                             expert_bytes_per_token=lambda: 64 * MiB)
+    plan = {r.id: r for r in harness.plan_runs(layout, harness.BenchOptions(model, squeeze_bytes=5 * GiB), 3 * GiB)}
+    assert plan["squeeze"].skip is not None and "--squeeze 5.00 GiB is more than" in plan["squeeze"].skip
+    fits = {r.id: r for r in harness.plan_runs(layout, harness.BenchOptions(model, squeeze_bytes=GiB), 3 * GiB)}
+    assert fits["squeeze"].skip is None
 
 
 @needs_lock

@@ -53,6 +53,7 @@ import argparse
 import csv
 import dataclasses
 import json
+import math
 import os
 import platform
 import resource
@@ -69,6 +70,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from bmoe.argtypes import checked, plain
 from bmoe.bench.balloon import (
     Balloon,
     BalloonPlan,
@@ -86,6 +88,7 @@ from bmoe.metrics.tokens import peak_rss_bytes
 from bmoe.pipeline.budget import read_meminfo
 
 MiB = 1 << 20
+MAX_CTX = 1 << 20  # RunConfig's largest n_ctx
 PROMPT = "The quick brown fox jumps over the lazy dog, and the experts stream from disk."
 WARMUP_PROMPT = "Warm-up: a different prompt, so the measured routing is not pre-read."
 LANES = (1, 2, 4, 8)
@@ -102,14 +105,13 @@ meminfo_reader: Callable[[], Mapping[str, int]] = read_meminfo
 # --- command line ---------------------------------------------------------------------------
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
+def _positive(hi: float, what: str) -> Callable[[str], float]:
+    """A finite number above 0 and at most ``hi`` (nan, inf and 1e300 ended in an internal error)."""
+    return checked(float, lambda v: math.isfinite(v) and 0 < v <= hi, what, f" above 0 and at most {plain(hi)}")
+
+
+_GIB_VALUE = _positive(1 << 20, "GiB")  # --ram-limit, --squeeze
+_SECONDS = _positive(1e7, "seconds")  # --timeout, --stock-timeout
 
 
 def _mib_list(text: str) -> tuple[float, ...]:
@@ -117,8 +119,8 @@ def _mib_list(text: str) -> tuple[float, ...]:
         values = tuple(float(v) for v in text.split(",") if v.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected MiB values separated by commas, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"budgets must be at least 1 MiB each, got {text!r}")
+    if not values or not all(math.isfinite(v) and 1 <= v <= 1 << 30 for v in values):
+        raise argparse.ArgumentTypeError(f"budgets must be from 1 to {1 << 30} MiB each, got {text!r}")
     return values
 
 
@@ -139,7 +141,7 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
         description=__doc__.split("\n\n")[0].replace("``", "") if __doc__ else None,
     )
     p.add_argument("model", type=Path, help="GGUF file (shard 1 of a split set)")
-    p.add_argument("--ram-limit", type=_positive_float, default=None, metavar="GB",
+    p.add_argument("--ram-limit", type=_GIB_VALUE, default=None, metavar="GiB",
                    help="emulate a machine with only this many GiB available (locks the rest)")
     p.add_argument("--tokens", type=int, default=32, help="tokens measured per configuration")
     p.add_argument("--warmup", type=int, default=4, help="warm-up tokens before each measurement")
@@ -147,10 +149,10 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
     p.add_argument("--io-threads", type=int, default=2, help="I/O lanes of the streamed runs")
     p.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: all usable cores)")
     p.add_argument("-c", "--ctx", type=int, default=None, help="context length (default: fits prompt + tokens)")
-    p.add_argument("--timeout", type=_positive_float, default=3600.0, help="seconds per configuration")
-    p.add_argument("--stock-timeout", type=_positive_float, default=None, metavar="S",
+    p.add_argument("--timeout", type=_SECONDS, default=3600.0, help="seconds per configuration")
+    p.add_argument("--stock-timeout", type=_SECONDS, default=None, metavar="S",
                    help="seconds for stock llama-cpp-python (default: --timeout)")
-    p.add_argument("--squeeze", type=_positive_float, default=None, metavar="GB",
+    p.add_argument("--squeeze", type=_GIB_VALUE, default=None, metavar="GiB",
                    help="also run auto with a second balloon of GB GiB inflated halfway through")
     p.add_argument("--budgets", type=_mib_list, default=(), metavar="MIB,...",
                    help="a sweep of fixed cache budgets in MiB (forced, pressure guard off)")
@@ -204,6 +206,9 @@ class BenchOptions:
             raise ConfigError(f"--io-threads must be 1..64, got {self.io_threads}")
         if self.threads is not None and not 1 <= self.threads <= 512:
             raise ConfigError(f"--threads must be 1..512, got {self.threads}")
+        if not 16 <= self.n_ctx <= MAX_CTX:
+            raise ConfigError(f"the runs need a context of {self.n_ctx} tokens (--ctx, or the longest --ttft prompt "
+                              f"plus --tokens); at most {MAX_CTX}")
         return self
 
     @property
@@ -338,8 +343,15 @@ def plan_runs(layout: Any, opts: BenchOptions, available: int) -> list[Run]:
                         {"mode": "stream", "cache_bytes": budget, "force_cache": True, "pressure_guard": False,
                          **common}, budget_bytes=budget))
     if opts.squeeze_bytes:
-        runs.append(Run("squeeze", f"stream, auto budget, {opts.squeeze_bytes / GiB:g} GiB taken halfway", "bmoe",
-                        dict(auto), extra={"squeeze_bytes": opts.squeeze_bytes}))
+        squeeze = Run("squeeze", f"stream, auto budget, {opts.squeeze_bytes / GiB:g} GiB taken halfway", "bmoe",
+                      dict(auto), extra={"squeeze_bytes": opts.squeeze_bytes})
+        # The balloon is locked and kept from the OOM killer: one larger than the room beside the
+        # run's own needs would make the kernel kill the run, or other programs, instead.
+        if opts.squeeze_bytes > room:
+            squeeze.skip = (f"--squeeze {opts.squeeze_bytes / GiB:.2f} GiB is more than the {max(room, 0) / GiB:.2f} GiB "
+                            f"the {available / GiB:.2f} GiB available leave beside the dense part and the run's "
+                            "headroom: the locked balloon would push the run or other programs out of memory")
+        runs.append(squeeze)
     return runs
 
 
@@ -471,9 +483,20 @@ def execute(run: Run, model: Path, opts: BenchOptions, scratch: Path) -> None:
             run.result = data
         return
     tail = (proc.stderr.strip().splitlines() or [""])[-1]
-    how = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit status {proc.returncode}"
-    run.error = f"child {how}" + (f": {tail}" if tail else "") + (
-        " (out of memory?)" if proc.returncode == -signal.SIGKILL else "")
+    if proc.returncode < 0:
+        try:
+            name = signal.Signals(-proc.returncode).name
+        except ValueError:
+            name = f"signal {-proc.returncode}"
+        how = f"killed by {name}"
+    else:
+        how = f"exit status {proc.returncode}"
+    # SIGKILL: the kernel's OOM killer, most likely; SIGABRT/SIGILL: llama.cpp aborting (GGML_ASSERT,
+    # a failed allocation) or an instruction this CPU lacks.
+    why = {-signal.SIGKILL: " (out of memory?)",
+           -signal.SIGABRT: " (llama.cpp aborted: an assertion or a failed allocation?)",
+           -signal.SIGILL: " (llama.cpp aborted, or an instruction this CPU lacks)"}.get(proc.returncode, "")
+    run.error = f"child {how}" + (f": {tail}" if tail else "") + why
 
 
 # --- the child ----------------------------------------------------------------------------------
@@ -785,6 +808,11 @@ def _row(run: Run, reference: list[int] | None, ref_id: str | None) -> dict[str,
     row["peak_rss_mib"] = _r(res["peak_rss_bytes"] / MiB, 1)
     row["open_s"] = _r(res["open_s"], 3)
     row["open_mode"] = res.get("open_mode")
+    if row["budget_mib"] is None and st.get("budget_bytes") is not None and st.get("mode") == "stream":
+        # auto and squeeze: the budget the run chose, as the measured generation started (the
+        # guard may move it after: budget_bytes_end)
+        row["budget_mib"] = _r(st["budget_bytes"] / MiB, 1)
+        notes.append("budget chosen by the run (auto), at the start of the measured generation")
     if reference is not None:
         mine = res["tokens"]
         if run.id == "squeeze":  # it runs on past --tokens, or stops short: compare what both have
