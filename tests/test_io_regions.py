@@ -116,6 +116,19 @@ def test_reservation_failure_is_a_budget_error() -> None:
         Region(1 << 62, 0)  # more address space than x86-64 user space has
 
 
+def test_an_address_space_limit_is_named_with_its_fix() -> None:
+    """Under ``ulimit -v`` the reservation failed as "cannot reserve 113258496 bytes of address
+    space", naming neither the cache nor what to change."""
+    import subprocess
+    import sys
+
+    code = ("import resource\nfrom bmoe.io.regions import Region\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (4 << 30, resource.RLIM_INFINITY))\n"
+            "try:\n    Region(8 << 30, 0)\nexcept Exception as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    assert "cannot reserve 8192 MiB of address space for expert memory" in out and "ulimit -v" in out, out
+
+
 def test_rejects_empty_region() -> None:
     with pytest.raises(ValueError):
         Region(0, 0)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import resource
 import threading
 from collections.abc import Callable
 from types import TracebackType
@@ -131,7 +132,11 @@ def _reserve(nbytes: int) -> int:
     start: int | None = libc().mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
     if start in (None, _MAP_FAILED):
         err = ctypes.get_errno()
-        raise BudgetError(f"cannot reserve {nbytes} bytes of address space: {os.strerror(err)}")
+        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+        why = (f"; the process's address space is limited to {limit >> 20} MiB (ulimit -v): a smaller cache "
+               "(--cache-mb) or a higher limit" if limit != resource.RLIM_INFINITY else "")
+        raise BudgetError(f"cannot reserve {nbytes >> 20} MiB of address space for expert memory: "
+                          f"{os.strerror(err)}{why}")
     libc().madvise(start, nbytes, _MADV_NOHUGEPAGE)
     return start
 
