@@ -82,7 +82,8 @@ class RunConfig:
     route_trace: str | None = None
     # How a prompt is run (bmoe.engine.prefill): one batch, micro-batches of 8, token by token,
     # expert-major (one batch whose experts are read and computed group by group; needs a cache),
-    # or auto (a cost model over what the session measured: bytes to read vs compute).
+    # or auto (one batch, or expert-major when one batch's expert union would exceed the budget:
+    # never chunks, since chunks sum in another order than the resident run's one batch).
     prefill: Prefill = "auto"
     # Resident mode only: install the eval callback that filters nodes but streams nothing, to
     # measure what the callback itself costs.
