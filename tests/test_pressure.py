@@ -237,3 +237,29 @@ def test_a_real_squeeze_mid_generation_brings_the_budget_down(tiny) -> None:
     assert tokens == tiny.resident_tokens(path)
     assert stats.budget_bytes_end < budget and stats.budget_changes, "the budget went down"
     assert all(c["new"] < c["old"] for c in stats.budget_changes)
+
+
+def test_an_idle_session_gives_memory_back_when_asked_and_the_next_generation_is_identical(tiny) -> None:
+    """Between generations the guard was never asked: an idle server kept its whole cache while
+    other programs took the machine's memory. ``check_memory`` (``bmoe serve`` calls it every
+    second) shrinks it at once; the next generation still gives the resident tokens."""
+    path = tiny.path(BIG_EXPERTS)
+    budget, low = 12 * MiB, 100 * MiB
+    fake = FakeMemory()
+
+    async def go():  # noqa: ANN202
+        with Session.open(path, RunConfig(mode="stream", n_ctx=256, cache_bytes=budget)) as s:
+            fake.session = s
+            s.pressure_guard.source = fake
+            s.pressure_guard.settings = GuardSettings(low=low, high=low + 4 * MiB, interval_s=0.0, cooldown_s=1e9)
+            first = (await s.generate(PROMPT, N_TOKENS, stop_at_end=False)).tokens
+            full = s.resident_cache_bytes
+            assert not s.check_memory(), "no pressure: nothing moves"
+            fake.spare = low + 6 * MiB  # another program takes memory while the session idles
+            assert s.check_memory() and s.budget_bytes < budget
+            assert s.resident_cache_bytes <= s.budget_bytes < full
+            second = (await s.generate(PROMPT, N_TOKENS, stop_at_end=False)).tokens
+            return first, second
+
+    first, second = asyncio.run(go())
+    assert first == second == tiny.resident_tokens(path)[:N_TOKENS]

@@ -539,3 +539,14 @@ def test_the_shutdown_waits_for_a_request_still_being_tokenized_before_freeing_t
         thread.join(GUARD_S)
         sock.close()
     assert not thread.is_alive() and state.session.closed
+
+
+def test_an_idle_server_asks_the_pressure_guard_and_reports_its_budget(tiny) -> None:
+    """Between requests nothing asked the guard: the cache stayed whole whatever other programs took."""
+    path = tiny.path(TinySpec())
+    calls: list[bool] = []
+    with Session.open(path, CONFIG) as session, running(create_app(session)) as url:
+        real = session.check_memory
+        session.check_memory = lambda: calls.append(True) or real()  # type: ignore[method-assign]
+        until(lambda: len(calls) >= 2)
+        assert metric(url, "bmoe_cache_budget_bytes") == session.budget_bytes

@@ -723,6 +723,21 @@ class Session:
         # as memory the cache is about to take.
         self._streaming.set_budget(min(int(budget_bytes), self.layout.expert_bytes))
 
+    def check_memory(self) -> bool:
+        """Between generations, let the pressure guard look at memory now (at most every quarter
+        second; it samples then) and move the cache budget, evicting down to a smaller one at once.
+        True when the budget changed. A generation asks between its layers; a session that idles (a
+        server between requests) held its cache whatever other programs took until its next
+        request, so ``bmoe serve`` calls this every second. Nothing happens while a generation
+        runs, with no cache or no guard, or once closed."""
+        if self._closed or self._streaming is None or self._streaming.guard is None:
+            return False
+        if self._lock is not None and self._lock.locked():
+            return False
+        before = len(self._streaming.budget_changes)
+        self._streaming.tick()
+        return len(self._streaming.budget_changes) > before
+
     @property
     def pressure_guard(self) -> PressureGuard | None:
         """The guard that moves the cache budget under memory pressure (None: no cache, or off)."""

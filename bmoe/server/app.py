@@ -25,6 +25,7 @@ import concurrent.futures
 import hmac
 import json
 import logging
+import math
 import re
 import time
 from collections.abc import AsyncIterator, Callable
@@ -59,6 +60,7 @@ log = logging.getLogger("bmoe.server")
 MAX_BODY_BYTES = 4 << 20
 MAX_DEPTH = 100  # JSON nesting: deeper than any real request, far below Python's recursion limit
 RETRY_AFTER_S = 2
+IDLE_MEMORY_CHECK_S = 1.0  # between requests, how often the pressure guard looks at memory
 PREPARE_THREADS = 2  # requests checked and tokenized at once
 CONTEXT_FIX = "start the server with a larger -c/--ctx"
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -415,14 +417,28 @@ def create_app(
     async def metrics(_: Request) -> Response:
         return Response(server.metrics.render(), media_type=server.metrics.content_type)
 
+    async def watch_memory() -> None:
+        """Between requests the guard is asked every second: an idle server kept its whole cache
+        while other programs took the machine's memory, until its next request."""
+        while True:
+            await asyncio.sleep(IDLE_MEMORY_CHECK_S)
+            session = server.session
+            if session is not None and not session.closed and session.check_memory():
+                log.warning("memory pressure: the expert cache budget is now %.0f MiB",
+                            (session.budget_bytes or 0) / (1 << 20))
+            if session is not None and not session.closed:
+                server.metrics.budget.set(math.nan if session.budget_bytes is None else session.budget_bytes)
+
     @asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         server.open()
         if on_ready is not None and server.session is not None:
             on_ready(server.session)
+        watcher = asyncio.create_task(watch_memory())
         try:
             yield
         finally:
+            watcher.cancel()
             await server.close()
 
     async def bad_request(_: Request, exc: Exception) -> Response:

@@ -42,6 +42,8 @@ class ServerMetrics:
         self.tok_per_s = Gauge("bmoe_tokens_per_second", "Decode tokens per second of the last generation", registry=r)
         self.hit_pct = Gauge("bmoe_cache_hit_percent", "Cache hit % over the server's life", registry=r)
         self.queue = Gauge("bmoe_queue_depth", "Requests waiting for their turn", registry=r)
+        self.budget = Gauge("bmoe_cache_budget_bytes", "The expert cache budget now (the pressure guard moves it)",
+                            registry=r)
         self.queue.set_function(queue_depth)
         self.tok_per_s.set(math.nan)
         self.hit_pct.set(math.nan)
