@@ -18,12 +18,13 @@ from bmoe.errors import ConfigError, OutputPathError
 
 
 class _Help(argparse.HelpFormatter):
-    """Help that shows each flag's default, where it has one worth showing."""
+    """Help that shows each flag's default, where it has one worth showing (and the help text does not
+    say it already)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
         default = action.default
-        if ("%(default)" in text or default is None or default is False or default == argparse.SUPPRESS
+        if ("%(default)" in text or "(default:" in text or default is None or default is False or default == argparse.SUPPRESS
                 or action.const is not None
                 or isinstance(action, argparse._StoreTrueAction) or not action.option_strings):
             return text
@@ -64,8 +65,11 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-odirect", action="store_true", help="buffered reads instead of O_DIRECT")
     p.set_defaults(mode="stream")
     p.add_argument("--cache-mb", type=_cache_mb, default=0.0,
-                   help="expert cache budget in MiB, or 'auto' (0 = off: every routed expert read)")
-    p.add_argument("--cache-ceil-mb", type=_mib, default=None, help="upper bound for the budget")
+                   help="expert cache budget in MiB, or 'auto' (default: 0, off: every routed expert read "
+                        "every time)")
+    p.add_argument("--cache-ceil-mb", type=_mib, default=None,
+                   help="with --cache-mb auto: the most the budget may be, at open and as the pressure guard "
+                        "grows it (does nothing with a fixed --cache-mb)")
     p.add_argument("--cache-profile", default=None, metavar="FILE",
                    help="seed the cache policy from this JSON profile if it exists, save what the run "
                         "learned to it at the end (lossless: only the eviction order changes)")
@@ -84,8 +88,10 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--open-mode", choices=("auto", "user", "reserved", "mmap", "mmap-drop"), default="auto",
                    help="how a streamed model is opened (auto: the cheapest that works here)")
     p.add_argument("--prefill", choices=("auto", "batch", "token", "micro", "expert"), default="auto",
-                   help="how a prompt runs: one batch, micro-batches, token by token, expert-major (one batch "
-                        "whose experts are read and computed group by group), or auto (cost model)")
+                   help="how a prompt runs: one batch, micro-batches of 8, token by token, expert-major (one "
+                        "batch whose experts are read and computed group by group), or auto (one batch, or "
+                        "expert-major where one batch's expert union would exceed the cache budget and the model "
+                        "allows it; never chunks)")
     p.add_argument("--route-trace", default=None, help="write every routing decision to this file")
     p.add_argument("--overlap", action="store_true",
                    help="read later projections while earlier expert matmuls compute (lossless)")

@@ -1,13 +1,17 @@
-"""Prefill strategies: how a session runs a prompt (one batch, micro-batches, or token by token).
+"""Prefill strategies: how a session runs a prompt (one batch, expert-major, micro-batches, or token
+by token).
 
 ``prefill_batches(session, tokens)`` returns the prompt's decode calls as an iterator the session
-consumes one call at a time. The chunk size is forced by ``RunConfig.prefill`` or, for ``auto``,
-chosen by the cost model in ``bmoe.pipeline.prefill`` from what this session has measured: the
-engine's read rate (all reads so far), decode's hit rate and per-step compute (from the previous
-generation's stats), and a batched prefill's compute per token (timed here, around the calls of
-the prompt). The iterator does that timing itself: a call has finished when the session asks for
-the next one, so no clock or hook is added to the session. Until each term is measured, ``auto``
-runs one batch.
+consumes one call at a time. The strategy is forced by ``RunConfig.prefill``, or for ``auto``
+chosen by ``choose`` in ``bmoe.pipeline.prefill``: one batch (calls of the context's ``n_batch``
+tokens), or expert-major where the session can run it and one batch's expert union in some layer,
+expected from the experts the layer holds now and decode's measured hit rate, would exceed the
+cache budget. No cost model picks a chunk size. What this session has measured (the engine's read
+rate, decode's hit rate and per-step compute from the previous generation's stats, and a batched
+prefill's compute per token, timed here around the calls of the prompt) gives the hit rate that
+test uses and the time estimate reported with the choice (``last_choice``; none until each term is
+measured). The iterator does that timing itself: a call has finished when the session asks for the
+next one, so no clock or hook is added to the session.
 
 Chunking never reads fewer bytes than one batch under one routing (see ``bmoe.pipeline.prefill``):
 what it buys is a transient union that keeps the cache budget, at the price of a per-call compute
