@@ -972,19 +972,25 @@ def add_synth_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
     p = subparsers.add_parser(
         "synth", help="write a random MoE GGUF with a real model's shapes (fast, any size)",
         description="Write a random-weight GGUF with the exact tensor shapes of a known MoE model. "
-                    "Routers are structured so routing resembles the real model's (popularity "
-                    "skew, step-to-step reuse), fitted to a recorded trace.")
+                    "With --like qwen3-30b-a3b the routers are structured so routing resembles the real "
+                    "model's (popularity skew, step-to-step reuse), fitted per layer to a recorded trace; "
+                    "qwen1.5-moe-a2.7b borrows that profile by relative depth (no trace of its own). Every "
+                    "other --like gets plain random routers (near-uniform routing: the line it prints "
+                    "says 'routing skew: none'). Experts are written in --type (default q4_0), except "
+                    "gpt-oss shapes', which are MXFP4 whatever --type says.")
     p.add_argument("out", type=Path, help="output .gguf file")
     p.add_argument("--like", required=True, metavar="NAME",
                    help=f"the model whose shapes to copy: {', '.join(sorted(SHAPES))}")
     p.add_argument("--layers", type=int, default=None, help="layer count (default: the real one)")
     p.add_argument("--type", dest="wtype", default="q4_0", choices=tuple(WTYPES),
-                   help="expert weight type (dense matrices are q8_0, norms and routers f32)")
-    p.add_argument("--seed", type=int, default=0)
+                   help="expert weight type (default q4_0; gpt-oss experts are MXFP4 whatever it says); "
+                        "dense matrices are q8_0, norms and routers f32")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.add_argument("--experts-used", type=int, default=None, metavar="K",
                    help="top-k written to the file (default: the real one)")
     p.add_argument("--no-skew", dest="skew", action="store_false",
-                   help="plain random routers (near-uniform routing, no reuse): a control")
+                   help="plain random routers (near-uniform routing, no reuse): a control for the shapes "
+                        "with a routing profile (the others get these anyway)")
     p.add_argument("--route-drift", type=float, default=None, metavar="GAMMA",
                    help=f"how much each layer moves what its router reads, so that predicting a layer's "
                         f"experts one layer early is right as often as on a real model (default "
