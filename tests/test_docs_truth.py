@@ -88,3 +88,15 @@ def test_the_errors_the_docs_name_are_importable_from_bmoe() -> None:
     every = {n for n, v in vars(bmoe.errors).items() if isinstance(v, type) and issubclass(v, bmoe.errors.BmoeError)}
     assert every <= set(bmoe.__all__) and every <= set(dir(bmoe))
     exec(f"from bmoe import {', '.join(sorted(every))}", {})
+
+
+def test_make_tiny_help_lists_the_archs_it_writes() -> None:
+    """``make-tiny --help`` names its --arch choices from the recipes: the two lists must agree."""
+    from bmoe.synth.tiny import ARCHS
+
+    out = bmoe("make-tiny", "--help")
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.decode().split())
+    listed = text.split("--arch ARCH architecture, one of ", 1)[1].split(" (default:", 1)[0]
+    assert sorted(listed.split(", ")) == sorted(ARCHS), listed
+

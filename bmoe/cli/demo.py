@@ -1,5 +1,6 @@
 """``bmoe demo`` and ``bmoe make-tiny``: the commands that write a random MoE GGUF, the demo then
-running it resident and streamed to show both print the same tokens."""
+running it three times (resident, streamed with the cache off, streamed with the cache sized
+automatically) to show all three print the same tokens."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ DEMO_PROMPT = "The quick brown fox jumps over the lazy dog. Streaming experts fr
 
 def _demo_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="make a synthetic MoE once, run it resident and streamed")
-    p.add_argument("-n", "--n-predict", type=_tokens, default=32)
-    p.add_argument("--dir", type=Path, default=None, help="where to keep the demo model")
+    p.add_argument("-n", "--n-predict", type=_tokens, default=32, help="tokens each run generates (default: 32)")
+    p.add_argument("--dir", type=Path, default=None,
+                   help="where to keep the demo model (default: ~/.cache/bmoe, or $XDG_CACHE_HOME/bmoe)")
     p.set_defaults(func=_cmd_demo)
 
 
@@ -43,7 +45,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             remove_partial(tmp)
             raise
     print(f"demo model: {model} ({model.stat().st_size / MiB:.0f} MiB). Its weights are random, "
-          "so the text is gibberish: what matters is that both runs print the same bytes.\n")
+          "so the text is gibberish: what matters is that all three runs print the same bytes.\n")
     results = {}
     runs = {
         "resident": RunConfig(mode="resident"),
@@ -80,21 +82,33 @@ def _demo_folder(arg: Path | None) -> Path:
 
 
 def _tiny_parser(sub: argparse._SubParsersAction) -> None:
+    from bmoe.io.recipes import RECIPES
+
     p = sub.add_parser("make-tiny", help="write a small random MoE GGUF (tests, measurements)")
-    p.add_argument("out", type=Path)
-    # Checked by TinySpec.validate, which names the choices (bmoe --list-archs).
-    p.add_argument("--arch", default="qwen3moe")
-    p.add_argument("--type", dest="wtype", default="f32", choices=("f32", "f16", "q8_0"))
-    p.add_argument("--shards", type=_number(int, 1, 10_000, "a shard count"), default=1)
-    p.add_argument("--seed", type=_number(int, 0, 2**32 - 1, "a seed"), default=0)
+    p.add_argument("out", type=Path, help="the .gguf file to write (with --shards: the split set beside it, "
+                                          "STEM-00001-of-00003.gguf .. for 3; -m takes the first)")
+    # Checked by TinySpec.validate, which names the choices (bmoe --list-archs): one line, status 1.
+    p.add_argument("--arch", default="qwen3moe", metavar="ARCH",
+                   help=f"architecture, one of {', '.join(sorted(RECIPES))} (default: qwen3moe)")
+    p.add_argument("--type", dest="wtype", default="f32", choices=("f32", "f16", "q8_0"),
+                   help="type of the weight matrices (default: f32; norms and biases stay f32, gpt-oss "
+                        "experts are mxfp4)")
+    p.add_argument("--shards", type=_number(int, 1, 10_000, "a shard count"), default=1,
+                   help="split the file into this many shards (default: 1)")
+    p.add_argument("--seed", type=_number(int, 0, 2**32 - 1, "a seed"), default=0,
+                   help="seed of the random weights (default: 0)")
     p.add_argument("--layers", type=_number(int, 1, 512, "a layer count"), default=None,
                    help="main blocks (default: the arch's, 2 for most)")
     p.add_argument("--mtp", type=_number(int, 0, 8, "an MTP block count"), default=0,
                    help="MTP blocks after them (archs that have them)")
-    p.add_argument("--embd", type=_number(int, 16, 16384, "an embedding width"), default=128)
-    p.add_argument("--experts", type=_number(int, 1, 1024, "an expert count"), default=8)
-    p.add_argument("--used", type=_number(int, 1, 1024, "an expert count"), default=2)
-    p.add_argument("--ff", type=_number(int, 1, 65536, "a feed-forward width"), default=64)
+    p.add_argument("--embd", type=_number(int, 16, 16384, "an embedding width"), default=128,
+                   help="embedding width, a multiple of 16 (default: 128)")
+    p.add_argument("--experts", type=_number(int, 1, 1024, "an expert count"), default=8,
+                   help="experts per MoE layer (default: 8)")
+    p.add_argument("--used", type=_number(int, 1, 1024, "an expert count"), default=2,
+                   help="experts each token routes to (default: 2)")
+    p.add_argument("--ff", type=_number(int, 1, 65536, "a feed-forward width"), default=64,
+                   help="each expert's feed-forward width (default: 64)")
     p.add_argument("--force", action="store_true", help="replace an existing file (never written through a link)")
     p.set_defaults(func=_cmd_make_tiny)
 
