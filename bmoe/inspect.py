@@ -303,15 +303,16 @@ def render(r: Report) -> str:
 
 def add_inspect_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("inspect", help="what a model is and how it would run here (index only)")
-    p.add_argument("model", type=Path)
+    p.add_argument("model", type=Path, help="GGUF file (shard 1 of a split set)")
     p.add_argument("--ram", type=checked(float, lambda v: 0 < v < math.inf, "a positive number of GiB"),
                    default=None, metavar="GiB", help="RAM to plan for, in GiB (default: MemAvailable)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.add_argument("--probe", action="store_true", help="measure the device's read rate (cached) if unknown")
     p.add_argument("--io-threads", type=checked(int, lambda v: 1 <= v <= 64, "1 to 64 read lanes"),
-                   default=DEFAULT_LANES, help="read lanes the forecast assumes")
+                   default=DEFAULT_LANES, help=f"read lanes the forecast assumes (default: {DEFAULT_LANES})")
     p.add_argument("--compute-gbs", type=checked(float, lambda v: 0 < v < math.inf, "a positive rate"),
-                   default=None, help="measured compute rate (GB/s of weights)")
+                   default=None, help=f"measured compute rate (GB/s of weights; default: a {COMPUTE_PRIOR_GBS:g} GB/s "
+                                      "prior)")
     p.set_defaults(func=_cmd_inspect)
     return p
 

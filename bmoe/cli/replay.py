@@ -35,13 +35,17 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
                    help="model: compute hits, bytes and time without sleeping (seconds per sweep; the "
                         "default for --io sim); measure: run the stages in modelled real time (--io real"
                         " always measures)")
-    p.add_argument("--io-threads", type=_io_threads, default=2)
+    p.add_argument("--io-threads", type=_io_threads, default=2,
+                   help="read lanes, real or modelled (default: 2)")
     p.add_argument("--overlap", type=_overlaps, default=["none"],
                    help="none,tensor,expert: modelled overlap of reads with the expert matmuls")
     p.add_argument("--compute-ms-per-layer", type=_number(float, 0, 1e6, "milliseconds"), default=1.0,
                    help="modelled compute per layer when the trace has no timings")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--csv", type=Path, default=None)
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (the trace, how the figures were made, every result) instead of "
+                        "a row per result and the how line on stderr")
+    p.add_argument("--csv", type=Path, default=None,
+                   help="also write the results to this CSV file, one row per overlap, policy and budget")
     p.add_argument("--plot", type=Path, default=None, help="PNG of hit %% and tok/s against budget")
     p.set_defaults(func=_cmd_replay)
 
