@@ -190,8 +190,10 @@ def add_quality_command(subparsers: argparse._SubParsersAction) -> argparse.Argu
     p.add_argument("--max-prompts", type=number(int, 1, 1 << 30, "a number of prompts"), default=None,
                    help="use only the first N prompts")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--stream", dest="mode", action="store_const", const="stream")
-    mode.add_argument("--resident", dest="mode", action="store_const", const="resident")
+    mode.add_argument("--stream", dest="mode", action="store_const", const="stream",
+                      help="run both configurations streamed (the default)")
+    mode.add_argument("--resident", dest="mode", action="store_const", const="resident",
+                      help="run both configurations resident (plain llama.cpp)")
     p.add_argument("--cache-mb", type=number(float, 0, 1 << 30, "a number of MiB"), default=0.0,
                    help="expert cache budget of both runs (MiB)")
     p.add_argument("--io-threads", type=number(int, 1, 64, "a number of I/O lanes"), default=2)

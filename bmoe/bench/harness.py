@@ -153,7 +153,7 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
     p.add_argument("--stock-timeout", type=_SECONDS, default=None, metavar="S",
                    help="seconds for stock llama-cpp-python (default: --timeout)")
     p.add_argument("--squeeze", type=_GIB_VALUE, default=None, metavar="GiB",
-                   help="also run auto with a second balloon of GB GiB inflated halfway through")
+                   help="also run auto with a second balloon of this many GiB inflated halfway through")
     p.add_argument("--budgets", type=_mib_list, default=(), metavar="MIB,...",
                    help="a sweep of fixed cache budgets in MiB (forced, pressure guard off)")
     p.add_argument("--ttft", type=_int_list, default=TTFT_LENGTHS, metavar="N,...",

@@ -168,8 +168,10 @@ class Session:
                          hooks: Hooks | None = None) -> Session:
         """``open`` on a worker thread, awaited: the event loop goes on serving while the file is
         checked, loaded and warmed up. Needed to open a model while another session generates on
-        the same loop (its decode waits on the loop, and open's warm-up waits on the decode: a
-        blocking ``open`` there raises ``ComputeBusyError``); kinder to a server's loop anyway."""
+        the same loop if the open warms up on the compute thread (a mapped open, a cache that may
+        run expert-major prefill, overlap): its decode waits on the loop, and that warm-up waits on
+        the decode, so a blocking ``open`` there raises ``ComputeBusyError``. Kinder to a server's
+        loop anyway."""
         return await asyncio.to_thread(cls.open, path, config, hooks=hooks)
 
     @classmethod
