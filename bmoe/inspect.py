@@ -226,8 +226,13 @@ def inspect_model(path: str | os.PathLike[str], *, ram_bytes: int | None = None,
     floor = others + max(0, needs.transient - ws)
     verdict, why = _verdict(dense, bank, layout.skipped_bytes, ws, needs, ram_bytes,
                             "the RAM given" if ram_how.startswith("given") else "MemTotal")
-    open_mode, open_reason = choose_open_mode(layout, streaming=True)
-    open_read = dense if open_mode == "user" else layout.file_bytes
+    if ram_how.startswith("given"):  # the machine --ram describes: no swap, the kernel's default overcommit
+        given = {"MemTotal": ram_bytes, "SwapTotal": 0, "CommitLimit": ram_bytes, "Committed_AS": 0}
+        open_mode, open_reason = choose_open_mode(layout, streaming=True, meminfo=lambda: given, overcommit=lambda: 0)
+        open_reason += " (for the RAM given, no swap)"
+    else:
+        open_mode, open_reason = choose_open_mode(layout, streaming=True)
+    open_read = dense if open_mode in ("user", "reserved") else layout.file_bytes  # both read the dense bytes only
     budget = resolve_budget(None, ceiling=None, mem_available=ram_bytes, needs=needs,
                             expert_bank_bytes=bank, working_set_bytes=ws)
     first = layout.layer_experts(layout.moe_layers[0])[0]

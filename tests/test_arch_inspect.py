@@ -144,3 +144,14 @@ def test_inspect_reads_the_index_without_llama_cpp(tiny) -> None:
     done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "glm4moe" in done.stdout
+
+
+def test_the_open_line_follows_the_ram_given(tiny) -> None:
+    """``--ram`` moved the verdict and the budget but not the open: a 2 GiB machine was told its
+    user allocation fits against this machine's MemTotal + SwapTotal."""
+    path = tiny.path(TinySpec(arch="qwen3moe", wtype="f16", n_layer=4, n_embd=256, n_expert=32, n_ff=256))
+    here = inspect_model(path)
+    small = inspect_model(path, ram_bytes=(256 + 20) << 20)  # the margin's floor + a little: experts do not fit
+    assert here.open_mode == "user"
+    assert small.open_mode == "reserved" and "for the RAM given" in small.open_reason, small.open_reason
+    assert small.open_read_bytes == here.open_read_bytes, "the reserved open reads the dense bytes only, as user"
