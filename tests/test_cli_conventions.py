@@ -105,3 +105,13 @@ def test_control_token_text_in_a_prompt_is_its_token(tiny) -> None:
     r = bmoe("run", "-m", str(path), "-p", prompt, "-n", "2", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["prompt_tokens"] == len(parsed)
+
+
+def test_cache_sizes_under_1_mib_are_refused_by_either_flag(tiny) -> None:
+    """``--cache-mb 1e-9`` ran with the cache quietly off and ``--cache-ceil-mb 0.5`` gave a 0.5 MiB
+    cache, where ``--cache-mb 0.5`` was refused as a units mistake."""
+    path = str(tiny.path(TinySpec()))
+    for flags in (["--cache-mb", "1e-9"], ["--cache-mb", "0.5"], ["--cache-mb", "auto", "--cache-ceil-mb", "0.5"]):
+        r = bmoe("run", "-m", path, "-p", "x", "-n", "1", *flags)
+        assert r.returncode == 2 and "1 MiB" in r.stderr and len(r.stderr.splitlines()) == 1, (flags, r.stderr)
+    assert bmoe("run", "-m", path, "-p", "x", "-n", "1", "--cache-mb", "0").returncode == 0

@@ -40,13 +40,23 @@ _io_threads = _number(int, 1, 64, "a number of I/O lanes")
 _layers_ahead = _number(int, 0, 64, "a number of layers")
 
 
+def _budget_mib(text: str) -> float:
+    """A cache size in MiB: 0 (off) or from 1 MiB up. Below 1 MiB is a units mistake (bytes, not
+    MiB), refused here as RunConfig refuses it; 1e-9 used to run with the cache quietly off."""
+    value = _mib(text)
+    if 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"expected 0 (off) or at least 1 MiB, got {text!r}")
+    return value
+
+
 def _cache_mb(text: str) -> float | None:
     if text == "auto":
         return None
     try:
-        return _mib(text)
+        return _budget_mib(text)
     except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected a number of MiB (0 to {_plain(MAX_MIB)}) or 'auto', got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number of MiB: 0 (off) or 1 MiB to {_plain(MAX_MIB)}, "
+                                         f"got {text!r}") from None
 
 
 def _model_flag(p: argparse.ArgumentParser) -> None:
@@ -67,7 +77,7 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-mb", type=_cache_mb, default=0.0,
                    help="expert cache budget in MiB, or 'auto' (default: 0, off: every routed expert read "
                         "every time)")
-    p.add_argument("--cache-ceil-mb", type=_mib, default=None,
+    p.add_argument("--cache-ceil-mb", type=_budget_mib, default=None,
                    help="with --cache-mb auto: the most the budget may be, at open and as the pressure guard "
                         "grows it (does nothing with a fixed --cache-mb)")
     p.add_argument("--cache-profile", default=None, metavar="FILE",
