@@ -386,3 +386,17 @@ def test_squeeze_reads_the_stats_of_a_closed_generation(monkeypatch: pytest.Monk
                                                                           "prompt": "p"}))
     assert len(tokens) < harness.SQUEEZE_TOKENS_CAP * 8, "it stopped early: the case under test"
     assert sq["budget_bytes_after"] == 60 * MiB and sq["budget_changes"] == [{"old": 100 * MiB, "new": 60 * MiB}]
+
+
+def test_out_refuses_a_folder_where_a_report_file_would_overwrite_an_input(model: Path, tmp_path: Path) -> None:
+    """Only the folder was checked: a model named bench.csv inside --out became the CSV report."""
+    from bmoe.errors import OutputPathError
+
+    folder = tmp_path / "report"
+    folder.mkdir()
+    victim = folder / "bench.csv"
+    victim.write_bytes(model.read_bytes())
+    args = parse([str(victim), "--tokens", "2", "--out", str(folder)])
+    with pytest.raises(OutputPathError, match="is an input of this run"):
+        args.func(args)
+    assert victim.read_bytes() == model.read_bytes()

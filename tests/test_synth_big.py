@@ -284,3 +284,14 @@ def test_file_name_changes_with_what_the_bytes_depend_on() -> None:
                                      SynthSpec(like="qwen3-30b-a3b", n_layer=8, wtype="q8_0"),
                                      SynthSpec(like="qwen3-30b-a3b", n_layer=8, wtype="q4_0", skew=False))}
     assert len(names) == 5 and base.file_name() == "synth-qwen3-30b-a3b-l8-q4_0-drift0.2.gguf"
+
+
+def test_a_link_left_at_the_temporary_name_is_never_written_through(tmp_path) -> None:
+    """``OUT.partial`` was opened as it was: a link there had its target truncated and replaced by
+    the model, and the link itself renamed to OUT."""
+    precious = tmp_path / "precious.gguf"
+    precious.write_bytes(b"keep me")
+    (tmp_path / "out.gguf.partial").symlink_to(precious)
+    out = write_synth(tmp_path / "out.gguf", SynthSpec(like="qwen3-30b-a3b", n_layer=2, wtype="q4_0"))
+    assert precious.read_bytes() == b"keep me"
+    assert not out.is_symlink() and out.stat().st_size > 1 << 20

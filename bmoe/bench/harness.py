@@ -232,6 +232,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
         check_plot_output(args.plot, "--plot")
     if args.out is not None:
         check_output_dir(args.out, "--out", inputs)
+        if args.out.is_dir():  # the report's own files must be none of the inputs either
+            for name in ("bench.md", "bench.csv", "bench.json", *(() if args.plot is not None else ("bench.png",))):
+                check_output(args.out / name, "--out", inputs)
     opts = BenchOptions.from_args(args).validate()
     result = run_bench(opts, log=_stderr_log)
     if args.json:
@@ -808,7 +811,8 @@ def _row(run: Run, reference: list[int] | None, ref_id: str | None) -> dict[str,
     row["peak_rss_mib"] = _r(res["peak_rss_bytes"] / MiB, 1)
     row["open_s"] = _r(res["open_s"], 3)
     row["open_mode"] = res.get("open_mode")
-    if row["budget_mib"] is None and st.get("budget_bytes") is not None and st.get("mode") == "stream":
+    if (row["budget_mib"] is None and st.get("budget_bytes") is not None and st.get("mode") == "stream"
+            and run.config.get("cache_bytes", 0) is None):
         # auto and squeeze: the budget the run chose, as the measured generation started (the
         # guard may move it after: budget_bytes_end)
         row["budget_mib"] = _r(st["budget_bytes"] / MiB, 1)
@@ -972,7 +976,8 @@ def summarize(runs: list[Run], probes: list[dict[str, Any]], layout: Any, opts: 
         out[key] = {k: _r(v, 3) for k, v in auto[key].items()} if auto.get(key) else None
         how[key] = text
         if out[key] is None:
-            notes[key] = f"stream_auto: {rows_by['stream_auto']['notes'] or 'no --ttft lengths fit the context'}"
+            notes[key] = ("not measured: --ttft 0" if not any(opts.ttft_lengths) else
+                          f"stream_auto: {rows_by['stream_auto']['notes'] or 'no --ttft lengths fit the context'}")
         out[serial_key] = {k: _r(v, 3) for k, v in auto[serial_key].items()} if auto.get(serial_key) else None
         how[serial_key] = (f"as {key}, with the prompt's read-ahead off (--no-predict-prompt), in a session of the "
                            "same history, right after: reads and compute in turn")

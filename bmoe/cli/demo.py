@@ -13,7 +13,7 @@ from bmoe.cli.flags import _number, _tokens
 from bmoe.cli.generate import _generate, _summary
 from bmoe.engine.config import MiB, RunConfig
 from bmoe.errors import OutputPathError
-from bmoe.io.paths import remove_partial
+from bmoe.io.paths import fresh_partial, remove_partial
 
 DEMO_PROMPT = "The quick brown fox jumps over the lazy dog. Streaming experts from disk:"
 
@@ -37,7 +37,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                       f"-x{spec.n_expert}-k{spec.n_expert_used}-f{spec.n_ff}-s{spec.seed}.gguf")
     if not model.exists():
         print(f"making the demo model once: {model}", file=sys.stderr)
-        tmp = model.with_suffix(".partial.gguf")
+        tmp = fresh_partial(model.with_suffix(".partial.gguf"))
         _write_with_progress(tmp, spec)  # removes what it half wrote on a signal or a full disk
         try:
             tmp.replace(model)

@@ -169,6 +169,16 @@ def check_plot_output(path: PathLike, flag: str) -> Path:
     return out
 
 
+def fresh_partial(path: Path) -> Path:
+    """``path``, made safe to create as this run's temporary file: a link or a file an earlier run
+    left under that name is unlinked first, never written through (opening a link named
+    ``OUT.partial`` truncated the file it pointed to); anything else there is refused."""
+    remove_partial(path)
+    if os.path.lexists(path):
+        raise OutputPathError(f"{path}: is in the way of the temporary file (not a regular file or a link)")
+    return path
+
+
 def remove_partial(path: PathLike) -> None:
     """Remove a file this run half wrote: only ever a regular file or a link, never a device or a
     folder that took its name meanwhile, and silently when it is already gone."""

@@ -81,7 +81,13 @@ from gguf import (
 )
 
 from bmoe.errors import ConfigError
-from bmoe.io.paths import check_new_file, make_room, reclaimable_bytes, remove_partial
+from bmoe.io.paths import (
+    check_new_file,
+    fresh_partial,
+    make_room,
+    reclaimable_bytes,
+    remove_partial,
+)
 from bmoe.synth.families import FAMILIES
 from bmoe.synth.shapes import (
     RESIDUAL_RMS,
@@ -890,7 +896,7 @@ def write_synth(path: str | os.PathLike, spec: SynthSpec,
     path = Path(path)
     total = sum(t.nbytes for t in tensors)
     check_destination(path, total)
-    tmp = path.with_name(path.name + ".partial")
+    tmp = fresh_partial(path.with_name(path.name + ".partial"))
     try:
         w = _Writer(tmp, shape.arch)
         if shape.arch in FAMILIES:
