@@ -167,6 +167,12 @@ GOOD_HEAD = [
         (GOOD_HEAD[:3] + GOOD_HEAD[4:] + ["0,1,0,1,0,3,0.5,0,100"], 5, "no '# layer=' header"),
         (GOOD_HEAD[:2] + ["# layer=0 expert_bytes=-1"] + GOOD_HEAD[3:], 3, "negative"),
         (GOOD_HEAD[:4], 4, "no column row"),
+        (GOOD_HEAD[:2] + GOOD_HEAD[4:], 3, "names no MoE layer"),  # replay: max() of an empty sequence
+        # values past a column's type wrapped round in the cast: replayed as layer 0, as decode
+        (GOOD_HEAD + ["0,1,0,65536,0,3,0.5,0,100"], 6, "layer='65536' is out of range"),
+        (GOOD_HEAD + ["0,257,0,0,0,3,0.5,0,100"], 6, "phase='257' is out of range"),
+        (GOOD_HEAD + ["0,1,1e30,0,0,3,0.5,0,100"], 6, "step='1e30' is out of range"),
+        (GOOD_HEAD + ["0,1,0,0,0,3,0.5,256,100"], 6, "residency='256' is out of range"),
     ],
 )
 def test_malformed_traces_name_file_and_line(tmp_path: Path, lines: list[str], line_no: int,

@@ -60,6 +60,9 @@ import numpy as np
 from bmoe.errors import TraceFormatError
 
 COLUMNS = ("turn", "phase", "step", "layer", "slot", "expert", "weight", "residency", "expert_bytes")
+# Each column's type in RouteTrace: a row's values are checked against it before the cast, which
+# wrapped them round (layer=65536 was replayed as layer 0, phase=257 as decode).
+_DTYPES = (np.int32, np.int8, np.int32, np.int16, np.int16, np.int32, np.float32, np.int8, np.int64)
 HEADER_V1 = "# route_trace v1"
 HEADER_V2 = "# route_trace v2"
 _MODEL_KEYS = ("model", "arch", "n_layer", "n_expert", "n_expert_used")
@@ -426,6 +429,8 @@ def _parse(name: str, numbered: Iterator[tuple[int, str]]) -> RouteTrace:
         raise _fail(name, 2, "no '# model=... arch=... n_layer=... n_expert=... n_expert_used=...' line")
     if not columns_seen:
         raise _fail(name, last_line, "no column row: the trace has no routing")
+    if not expert_bytes:  # replays size everything by these (an internal error without them)
+        raise _fail(name, last_line, "no '# layer=... expert_bytes=...' line: the trace names no MoE layer")
     n_layer = int(model["n_layer"])
     n_expert = int(model["n_expert"])
     n_used = int(model["n_expert_used"])
@@ -434,10 +439,10 @@ def _parse(name: str, numbered: Iterator[tuple[int, str]]) -> RouteTrace:
         path=name, version=version, model=model.get("model", ""), arch=model["arch"],
         n_layer=n_layer, n_expert=n_expert, n_expert_used=n_used,
         expert_bytes=expert_bytes, dense_bytes=dense_bytes,
-        turn=cols[0].astype(np.int32), phase=cols[1].astype(np.int8), step=cols[2].astype(np.int32),
-        layer=cols[3].astype(np.int16), slot=cols[4].astype(np.int16), expert=cols[5].astype(np.int32),
-        weight=cols[6].astype(np.float32), residency=cols[7].astype(np.int8),
-        bytes_read=cols[8].astype(np.int64), run=run, summary=summary, timing=timing,
+        turn=cols[0].astype(_DTYPES[0]), phase=cols[1].astype(_DTYPES[1]), step=cols[2].astype(_DTYPES[2]),
+        layer=cols[3].astype(_DTYPES[3]), slot=cols[4].astype(_DTYPES[4]), expert=cols[5].astype(_DTYPES[5]),
+        weight=cols[6].astype(_DTYPES[6]), residency=cols[7].astype(_DTYPES[7]),
+        bytes_read=cols[8].astype(_DTYPES[8]), run=run, summary=summary, timing=timing,
     )
     _check(trace, body_lineno)
     return trace
@@ -456,10 +461,16 @@ def _parse_rows(name: str, body: list[str], body_lineno: list[int]) -> list[np.n
     cols = [table[:, c] for c in range(len(COLUMNS))]
     for c, col in enumerate(cols):
         if c != 6:
-            frac = np.flatnonzero(col != np.floor(col))
+            frac = np.flatnonzero(col != np.floor(col))  # nan and inf fail here too
             if frac.size:
                 i = int(frac[0])
                 raise _fail(name, body_lineno[i], f"{COLUMNS[c]}={body[i].split(',')[c]!r} is not an integer")
+            top = min(float(np.iinfo(_DTYPES[c]).max), 2.0 ** 53)  # exact in a float64
+            out = np.flatnonzero((col < 0) | (col > top))
+            if out.size:
+                i = int(out[0])
+                raise _fail(name, body_lineno[i], f"{COLUMNS[c]}={body[i].split(',')[c].strip()!r} is out of range "
+                                                  f"(0 to {int(top)})")
     bad_w = np.flatnonzero(np.isinf(cols[6]))  # nan is allowed: "not recorded"
     if bad_w.size:
         raise _fail(name, body_lineno[int(bad_w[0])], "weight is infinite")
