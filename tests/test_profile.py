@@ -192,3 +192,21 @@ def test_prewarm_reads_the_profile_and_gives_the_resident_tokens(tiny, tmp_path:
     config = RunConfig(n_ctx=256, cache_bytes=64 * MiB, cache_profile=str(profile), prewarm=True)
     assert generate_tokens(path, config, hooks=hooks) != tiny.resident_tokens(path)
     assert seen
+
+
+@pytest.mark.parametrize("edit", [
+    lambda d: d["layers"].update({"\u00b2": [0.1] * 8}),  # isdigit() but not int(): an internal error
+    lambda d: d["layers"].update({"00": [0.1] * 8}),  # layer 0 a second time, the last one winning
+    lambda d: d["layers"].update({"1": [True] * 8}),  # booleans are not rates
+])
+def test_hand_edited_profiles_are_one_clear_line(tmp_path: Path, edit) -> None:  # noqa: ANN001
+    path = tmp_path / "p.json"
+    save_profile(path, {0: np.full(8, 0.25)}, model="m", n_layer=3, n_expert=8, tokens=4, visits=4)
+    doc = json.loads(path.read_text())
+    edit(doc)
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ConfigError, match="p.json: layer"):
+        load_profile(path, n_layer=3, n_expert=8)
+    path.write_text("[" * 100_000 + "]" * 100_000)  # a RecursionError, not caught
+    with pytest.raises(ConfigError, match="not a cache profile"):
+        load_profile(path, n_layer=3, n_expert=8)

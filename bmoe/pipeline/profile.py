@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -90,8 +91,8 @@ def load_profile(path: str | os.PathLike[str], *, n_layer: int, n_expert: int) -
         raise ConfigError(f"{name}: larger than {MAX_PROFILE_BYTES >> 20} MiB: not a cache profile")
     try:
         doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise ConfigError(f"{name}: not a cache profile (not JSON)") from None
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested past Python's stack
+        raise ConfigError(f"{name}: not a cache profile (not JSON, or nested too deep)") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("version") != VERSION:
         raise ConfigError(f"{name}: not a {FORMAT} v{VERSION} file")
     if (doc.get("n_layer"), doc.get("n_expert")) != (n_layer, n_expert):
@@ -106,10 +107,13 @@ def load_profile(path: str | os.PathLike[str], *, n_layer: int, n_expert: int) -
         raise ConfigError(f"{name}: 'visits' (or 'tokens') must be a number >= 0, got {visits!r}")
     out: dict[int, np.ndarray] = {}
     for key, values in layers.items():
-        if not (isinstance(key, str) and key.isdigit() and int(key) < n_layer):
-            raise ConfigError(f"{name}: layer {key!r} out of range (n_layer={n_layer})")
+        # ASCII digits written as the file writes them: "²" passed isdigit() and failed int(),
+        # and "00" was layer 0 a second time.
+        if not (isinstance(key, str) and re.fullmatch(r"0|[1-9][0-9]{0,8}", key) and int(key) < n_layer):
+            raise ConfigError(f"{name}: layer {key!r} is not a layer number below n_layer={n_layer}")
         if (not isinstance(values, list) or len(values) != n_expert
-                or not all(isinstance(v, (int, float)) and math.isfinite(v) and 0 <= v <= 1 for v in values)):
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                           and 0 <= v <= 1 for v in values)):
             raise ConfigError(f"{name}: layer {key}: expected {n_expert} rates in [0, 1]")
         out[int(key)] = np.asarray(values, dtype=np.float64)
     return Profile(out, float(visits))
