@@ -41,7 +41,7 @@ from gguf import GGMLQuantizationType
 from bmoe.argtypes import checked
 from bmoe.engine.loader import choose_open_mode
 from bmoe.io.layout import ModelLayout, block_of
-from bmoe.io.probe import ProbeResult, cache_dir, cached_probe
+from bmoe.io.probe import ProbeResult, cached_probe, read_store, stored_probe
 from bmoe.io.recipes import RECIPES, recipe_for
 from bmoe.io.validate import open_layout
 from bmoe.pipeline.budget import (
@@ -154,12 +154,11 @@ def recurrent_blocks(layout: ModelLayout) -> list[int]:
 
 def cached_read_rate(directory: Path, slice_bytes: int, lanes: int) -> ProbeResult | None:
     """The probe ``bmoe replay`` / ``inspect --probe`` stored for this device, if any (no I/O)."""
-    store = cache_dir() / "probe.json"
     try:
-        known = json.loads(store.read_text())
-        return ProbeResult(**known[f"{os.stat(directory).st_dev}:{slice_bytes}:{lanes}"])
-    except (OSError, ValueError, KeyError, TypeError):
+        key = f"{os.stat(directory).st_dev}:{slice_bytes}:{lanes}"
+    except OSError:
         return None
+    return stored_probe(read_store().get(key))
 
 
 def _verdict(dense: int, bank: int, mtp: int, ws: int, needs: Needs, ram: int, ram_of: str) -> tuple[str, str]:

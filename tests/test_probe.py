@@ -39,3 +39,32 @@ def test_the_scratch_probe_leaves_nothing_behind(tmp_path: Path, monkeypatch: py
     result = probe.measure(tmp_path, 64 * 1024, 2, reads=16)
     assert result.mib_s > 0 and result.reads == 16 and "scratch file" in result.how
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("entry", [
+    [], {"mib_s": 0, "slice_bytes": 4096, "lanes": 2, "mode": "odirect", "reads": 1, "how": "x"},
+    {"mib_s": "fast", "slice_bytes": 4096, "lanes": 2, "mode": "odirect", "reads": 1, "how": "x"},
+    {"mib_s": 900.0, "slice_bytes": 4096, "lanes": 0, "mode": "odirect", "reads": 1, "how": "x"},
+    {"mib_s": 900.0, "lanes": 2},
+])
+def test_a_bad_stored_probe_is_measured_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, entry) -> None:  # noqa: ANN001
+    """A hand-edited or torn probe.json ended replay and inspect in ZeroDivisionError or TypeError."""
+    import json
+    import os
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    (tmp_path / "cache" / "bmoe").mkdir(parents=True)
+    key = f"{os.stat(tmp_path).st_dev}:4096:2"
+    (tmp_path / "cache" / "bmoe" / "probe.json").write_text(json.dumps({key: entry}))
+    fresh = probe.ProbeResult(mib_s=900.0, slice_bytes=4096, lanes=2, mode="odirect", reads=256, how="measured")
+    monkeypatch.setattr(probe, "measure", lambda *a, **k: fresh)
+    assert probe.stored_probe(entry) is None
+    assert probe.cached_probe(tmp_path, 4096, 2) == fresh
+    assert probe.stored_probe(probe.read_store()[key]) == fresh, "the store holds the new one"
+
+
+def test_a_probe_where_no_scratch_file_can_be_made_says_why(tmp_path: Path) -> None:
+    from bmoe.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="cannot measure the read rate of the disk holding .*writable folder"):
+        probe._unnamed_scratch(tmp_path / "missing")

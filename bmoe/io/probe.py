@@ -16,6 +16,7 @@ nothing.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import tempfile
@@ -24,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bmoe.errors import ConfigError
 from bmoe.io.direct import DIRECT_ALIGN, ShardReader, align_up
 from bmoe.io.layout import ModelLayout
 from bmoe.io.regions import Region
@@ -54,9 +56,36 @@ def _unnamed_scratch(directory: Path) -> int:
     try:
         return os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
     except (OSError, AttributeError):
-        fd, name = tempfile.mkstemp(prefix=".bmoe-probe-", dir=directory)
+        try:
+            fd, name = tempfile.mkstemp(prefix=".bmoe-probe-", dir=directory)
+        except OSError as e:  # it printed the scratch file's name and the errno's words alone
+            raise ConfigError(f"cannot measure the read rate of the disk holding {directory}: a scratch file "
+                              f"there failed ({e.strerror}); the probe needs a writable folder on that disk") from None
         os.unlink(name)  # at once: nothing is left behind even if the process is killed now
         return fd
+
+
+def stored_probe(entry: object) -> ProbeResult | None:
+    """A ProbeResult from one entry of the probe store, or None if it is not one (a hand-edited or
+    torn store: a missing field, a rate of 0, lanes 0 ended in an internal error)."""
+    if not isinstance(entry, dict) or not {"mib_s", "slice_bytes", "lanes", "mode", "reads", "how"} <= entry.keys():
+        return None
+    ok = (isinstance(entry["mib_s"], int | float) and not isinstance(entry["mib_s"], bool)
+          and math.isfinite(entry["mib_s"]) and entry["mib_s"] > 0
+          and all(isinstance(entry[k], int) and not isinstance(entry[k], bool) and entry[k] >= 1
+                  for k in ("slice_bytes", "lanes", "reads"))
+          and isinstance(entry["mode"], str) and isinstance(entry["how"], str)
+          and isinstance(entry.get("fresh", False), bool) and entry.keys() <= set(ProbeResult.__dataclass_fields__))
+    return ProbeResult(**entry) if ok else None
+
+
+def read_store() -> dict[str, object]:
+    """The probe store (``cache_dir()/probe.json``), or nothing if it is missing or not a JSON object."""
+    try:
+        known = json.loads((cache_dir() / "probe.json").read_text())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return known if isinstance(known, dict) else {}
 
 
 def measure(directory: Path, slice_bytes: int, lanes: int, reads: int = 256) -> ProbeResult:
@@ -161,19 +190,17 @@ def _timed_reads(
 def cached_probe(directory: Path, slice_bytes: int, lanes: int) -> ProbeResult:
     """The probe for this device, slice size and lane count, measured on first use."""
     key = f"{os.stat(directory).st_dev}:{slice_bytes}:{lanes}"
-    store = cache_dir() / "probe.json"
-    known: dict[str, dict] = {}
-    if store.exists():
-        try:
-            known = json.loads(store.read_text())
-        except (OSError, ValueError):
-            known = {}
-    if key in known:
-        return ProbeResult(**known[key])
-    result = measure(directory, slice_bytes, lanes)
+    known = read_store()
+    stored = stored_probe(known.get(key))
+    if stored is not None:
+        return stored
+    result = measure(directory, slice_bytes, lanes)  # none, or not a valid one: measured again
     known[key] = asdict(result)
+    store = cache_dir() / "probe.json"
     store.parent.mkdir(parents=True, exist_ok=True)
-    store.write_text(json.dumps(known, indent=1))
+    tmp = store.with_name(f".probe.{os.getpid()}.json")  # renamed over: two runs never tear the store
+    tmp.write_text(json.dumps(known, indent=1))
+    os.replace(tmp, store)
     return result
 
 
