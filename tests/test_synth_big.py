@@ -179,6 +179,9 @@ def test_unknown_like_is_a_clear_error(tmp_path: Path) -> None:
             SynthSpec(like="qwen3-30b-a3b", **bad).validate()
     with pytest.raises(ConfigError, match="residual stream's measured RMS"):
         SynthSpec(like="qwen1.5-moe-a2.7b", route_drift=0.3).validate()
+    with pytest.raises(ConfigError, match="leading dense block"):  # wrote 0.5 GiB with no experts in it
+        SynthSpec(like="deepseek-v2-lite", n_layer=1, skew=False).validate()
+    SynthSpec(like="deepseek-v2-lite", n_layer=2, skew=False).validate()
 
 
 def predicted(path: Path) -> tuple[list[int], dict[int, float]]:

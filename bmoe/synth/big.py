@@ -156,6 +156,10 @@ class SynthSpec:
             # More blocks than the real model has would be no longer its shapes (and a bigger file).
             raise ConfigError(f"--layers must be in [1, {shape.n_layer}] for {shape.name} "
                               f"(its real depth), got {self.n_layer}")
+        if self.n_layer is not None and self.n_layer <= shape.n_dense_lead:
+            # Only the leading dense blocks: a file with no experts, which nothing can stream.
+            raise ConfigError(f"--layers must be more than {shape.name}'s {shape.n_dense_lead} leading dense "
+                              f"block(s), or the model has no experts; got {self.n_layer}")
         if self.seed < 0 or self.seed >= 2**63:
             raise ConfigError(f"--seed must be in [0, 2^63), got {self.seed}")
         gamma = self.route_drift
