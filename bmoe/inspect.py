@@ -7,8 +7,10 @@ whether the model runs resident, streamed, or not at all, the cache budget ``aut
 and a decode speed forecast for a few budgets with every input shown and labelled by where it
 came from:
 
-- read rate: the device probe cached by ``bmoe replay`` / ``--probe`` for this device, slice size
-  and lane count (unmeasured, and then no forecast, until a probe has run);
+- read rate: the device probe ``inspect --probe`` stored for this device, at the size of one
+  projection of one expert (the slice the engine reads) and the lane count (unmeasured, and then no
+  forecast, until it has run; ``bmoe replay`` probes whole experts, so its probes serve inspect only
+  where the two sizes agree);
 - hit rate: a prior, the decode hit rate of an LRU cache replayed over the shared Qwen3-30B-A3B
   trace, as a function of budget / expert bank (``HIT_PRIOR``); real models route differently;
 - compute: the bytes a token touches (dense part + the routed experts) over a memory throughput,

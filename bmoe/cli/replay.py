@@ -140,12 +140,12 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 def _replay_row(r: dict, policy: str, mb: float, policy_width: int = 8) -> str:
     """One result as a row, labelled with the policy's name and the budget as the user gave them:
     ``default`` (not the ``adaptive`` it resolves to), and 0.5 MiB (not ``0``, as 0 and 1.5 as 2 were)."""
-    def num(v: float | None, fmt: str) -> str:
-        return "unmeasured" if v is None else format(v, fmt)
+    def num(v: float | None, fmt: str, unit: str) -> str:  # "unmeasured", never "unmeasured%"
+        return "unmeasured" if v is None else format(v, fmt) + unit
 
-    return (f"{policy:>{policy_width}} {r['overlap']:>6} {_plain(mb):>8} MiB  decode hit {num(r['decode_hit_pct'], '5.1f')}%  "
-            f"all {num(r['hit_pct'], '5.1f')}%  read {r['bytes_read'] / MiB:9.1f} MiB  "
-            f"{num(r['tok_per_s'], '7.2f')} tok/s")
+    return (f"{policy:>{policy_width}} {r['overlap']:>6} {_plain(mb):>8} MiB  decode hit {num(r['decode_hit_pct'], '5.1f', '%')}  "
+            f"all {num(r['hit_pct'], '5.1f', '%')}  read {r['bytes_read'] / MiB:9.1f} MiB  "
+            f"{num(r['tok_per_s'], '7.2f', ' tok/s')}")
 
 
 def _write_rows(path: Path, rows: list[dict]) -> None:
