@@ -207,6 +207,9 @@ def add_quality_command(subparsers: argparse._SubParsersAction) -> argparse.Argu
 
 
 def run_quality_command(args: argparse.Namespace) -> int:
+    if args.mode == "resident" and args.cache_mb and not getattr(args, "quiet", False):
+        print("bmoe: warning: --cache-mb does nothing with --resident: a resident run has no expert cache",
+              file=sys.stderr)
     exact = RunConfig(mode=args.mode, io_threads=args.io_threads, n_threads=args.threads, n_ctx=args.ctx,
                       cache_bytes=int(args.cache_mb * MiB))
     lossy = replace(exact, **parse_lossy(args.lossy))
