@@ -134,7 +134,7 @@ def test_inspect_ram_says_gib() -> None:
 
 @pytest.mark.parametrize("argv,bounds", [
     (("run", "-m", "MODEL", "-p", "hi", "-n", "-1"), "from 1 to 1048576"),
-    (("run", "-m", "MODEL", "-p", "hi", "--cache-mb", "1e20"), "(0 to 1073741824)"),
+    (("run", "-m", "MODEL", "-p", "hi", "--cache-mb", "1e20"), "0 (off) or 1 MiB to 1073741824"),
     (("run", "-m", "MODEL", "-p", "hi", "--cache-ceil-mb", "-1"), "from 0 to 1073741824"),
     (("replay", "MODEL", "--cache-mb", "1,x"), "(0 to 1073741824)"),
     (("replay", "MODEL", "--cache-mb", "1", "--compute-ms-per-layer", "-1"), "from 0 to 1000000"),
