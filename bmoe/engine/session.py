@@ -158,6 +158,7 @@ class Session:
         self._closed = False
         self._blas_held = False
         self._decoding = False
+        self._torn_down = False
         self._cancel_requested = False
         self._kv: list[int] | None = []  # tokens the context holds; None: unknown (cleared next)
         self._watch: FileWatch | None = None  # the model files as loaded (set by open)
@@ -752,19 +753,44 @@ class Session:
         ``finish_reason == "cancelled"``. If a decode is in flight, close returns at once and the
         decode frees everything as soon as it has stopped (the stage tasks and the compute thread
         still hold the regions until then). Every later call raises SessionClosedError; closing
-        twice is harmless. Call it on the thread of the session's event loop (SyncSession does).
+        twice is harmless. From another thread while the session's event loop runs, the session is
+        closed at once (later calls raise SessionClosedError, a running generation is stopped) and
+        the freeing is handed to the loop: done in place, it freed the context between two decodes
+        of a generation still running there (a segfault).
         """
         if self._closed:
             return
         self._closed = True
-        if self._decoding:
+        if self._off_loop():
+            self._callback.gate.abort(GenerationCancelled("the session was closed"))
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._close_on_loop)
+            return
+        self._close_on_loop()
+
+    def _off_loop(self) -> bool:
+        """Called on a thread other than the one running this session's event loop."""
+        loop = self._loop
+        if loop is None or loop.is_closed() or not loop.is_running():
+            return False
+        try:
+            return asyncio.get_running_loop() is not loop
+        except RuntimeError:  # no loop runs on this thread
+            return True
+
+    def _close_on_loop(self) -> None:
+        if self._decoding:  # the decode frees everything as soon as it has stopped
             self._callback.gate.abort(GenerationCancelled("the session was closed"))
             return
         self._teardown()
 
     def _teardown(self) -> None:
         """Every step runs even when one before it raises (a full disk under the route trace or
-        the profile must not keep the model and its regions alive); the error is raised after."""
+        the profile must not keep the model and its regions alive); the error is raised after.
+        Once only (a close handed to the loop may find the decode has already freed it all)."""
+        if self._torn_down:
+            return
+        self._torn_down = True
         recorder, self._recorder = self._recorder, None
         streaming, self._streaming = self._streaming, None
         dense, self._dense = self._dense, None
