@@ -192,6 +192,18 @@ def test_auto_runs_expert_major_where_one_batch_would_break_the_budget() -> None
     assert choose("expert", 50, 512, LAYERS, rates).strategy == "expert"
 
 
+def test_a_warm_cache_counts_the_experts_it_already_holds_in_the_union() -> None:
+    """A batch pins its whole union while a layer computes, cached experts too. Counting only the
+    reads, a warm cache holding most of a layer chose one batch whose union was 6.2 MiB against a
+    4.5 MiB budget (peak 37 % over), and said it kept the budget."""
+    rates = Rates(1e9, 0.05, 0.002, hit=0.9)
+    hot = [LayerCache(n_expert=64, k=4, expert_bytes=100 << 10, cached=40) for _ in range(4)]
+    budget = int(4.5 * (1 << 20))
+    assert distinct(64, 4, 120) * (100 << 10) > budget, "the union is over the budget"
+    assert not fits(hot, 120, 0.9, budget)
+    assert choose("auto", 120, 512, hot, rates, budget_bytes=budget, expert=True).strategy == "expert"
+
+
 def test_a_session_whose_prompts_outgrow_the_cache_keeps_the_resident_tokens(tiny) -> None:
     """llama4 has no expert-major path: from the third generation (its terms measured) auto chose
     micro-batches for prompts whose union exceeded a 1 MiB cache, and the replies left the
