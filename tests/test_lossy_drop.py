@@ -123,3 +123,24 @@ def test_levers_off_keep_the_plain_callback(tiny) -> None:
     ahead = lossy_callback(RoutingGate(), layout, RunConfig(mode="stream", cache_bytes=MiB, route_ahead=1))
     assert isinstance(drop, DropColdCallback) and isinstance(ahead, RouteAheadCallback)
     assert isinstance(drop, EvalCallback) and isinstance(ahead, EvalCallback)
+
+
+@pytest.mark.parametrize("arch", ["llama4", "gpt-oss", "deepseek2"])
+def test_routers_whose_scores_are_not_shares_are_refused_at_open(tiny, arch: str) -> None:
+    """llama4 sorts raw logits, deepseek2 sorts probabilities plus a selection bias, gpt-oss
+    re-softmaxes what it chose: a "share" came out negative, so F = 0 dropped experts (and changed
+    llama4's output), and gpt-oss was refused only at its first decode."""
+    from bmoe.engine.session import Session
+    from bmoe.errors import ConfigError
+
+    path = tiny.path(TinySpec(arch=arch))
+    with pytest.raises(ConfigError, match="drop_cold_experts: not on this model"):
+        Session.open(path, RunConfig(mode="stream", n_ctx=256, cache_bytes=1 << 20, drop_cold_experts=0.0))
+
+
+def test_zero_fraction_drops_nothing_whatever_the_scores() -> None:
+    from bmoe.engine.drop_cold import choose_drops
+
+    ids = np.array([[0, 1, 2, 3]])
+    scores = np.array([[1.81, 0.32, -1.52, -1.99]], dtype=np.float32)  # llama4's logits, as read
+    assert not choose_drops(ids, scores, np.zeros(4, dtype=bool), 0.0).any()

@@ -51,6 +51,8 @@ def choose_drops(ids: np.ndarray, probs: np.ndarray, resident: np.ndarray, thres
     """The (rows, k) mask of routed slots to drop. ``ids`` (rows, k) routed experts, best first;
     ``probs`` (rows, k) their router probabilities; ``resident`` a bool per expert (in memory now);
     ``threshold`` the share of the row's routed mass below which a miss may go (F / k)."""
+    if threshold <= 0:  # F = 0: nothing, whatever the scores (the exact run, byte for byte)
+        return np.zeros(ids.shape, dtype=bool)
     share = probs / np.maximum(probs.sum(axis=1, keepdims=True), np.finfo(np.float32).tiny)
     drop = (share < threshold) & ~resident[ids]
     drop[:, 0] = False  # never the top-ranked expert

@@ -140,5 +140,23 @@ def lossy_callback(
         return RouteAheadCallback(gate, RouteAhead(layout, config.route_ahead, routers))
     if config.drop_cold_experts is None:
         return None
+    why = drop_cold_refusal(layout)
+    if why is not None:
+        raise ConfigError(f"drop_cold_experts: not on this model: {why}")
     drop = DropCold(layout, config.drop_cold_experts, renorm=config.drop_renorm, prefill=config.drop_prefill)
     return DropColdCallback(gate, drop)
+
+
+def drop_cold_refusal(layout: ModelLayout) -> str | None:
+    """Why ``--drop-cold-experts`` cannot weigh this model's routed experts, or None. Its rule
+    reads each expert's share of the routed mass from the scores the router's top-k sorts, which
+    must be the weights' own probabilities. Where they are not, a share was negative or past 1:
+    F = 0 dropped experts and changed llama4's output, and renormalising could flip the survivors'
+    sign. Refused at open (gpt-oss was refused only at its first decode)."""
+    if layout.arch == "llama4":
+        return "llama4 sorts raw router logits and applies a sigmoid after the choice (scores are not shares)"
+    if layout.arch == "gpt-oss":
+        return "gpt-oss re-softmaxes the chosen experts' logits (a zeroed weight would still count)"
+    if any(name.endswith("exp_probs_b.bias") for name in layout.tensors):
+        return "its router chooses with a bias added to the probabilities (exp_probs_b), so the sorted scores are not shares"
+    return None
