@@ -45,13 +45,18 @@ _PUBLIC = {
     "ComputeBusyError": "bmoe.errors",
     "DecodeAbortedError": "bmoe.errors",
     "GenerationCancelled": "bmoe.errors",
+    # A request value out of range (its ``param`` names it, as OpenAI's errors do), and a prompt
+    # that does not fit the context: both ConfigErrors, raised by SamplingParams and create_*.
+    "ParamError": "bmoe.engine.sampling",
+    "ContextOverflow": "bmoe.engine.completions",
 }
 
 __all__ = ["__version__", *_PUBLIC]
 
 if TYPE_CHECKING:  # what type checkers see of the lazy public face below
+    from bmoe.engine.completions import ContextOverflow  # noqa: F401
     from bmoe.engine.config import RunConfig  # noqa: F401
-    from bmoe.engine.sampling import SamplingParams  # noqa: F401
+    from bmoe.engine.sampling import ParamError, SamplingParams  # noqa: F401
     from bmoe.engine.session import Generation, Piece, Session, Usage  # noqa: F401
     from bmoe.engine.sync import SyncSession  # noqa: F401
     from bmoe.errors import (  # noqa: F401

@@ -39,6 +39,8 @@ def test_parse_lossy_reads_the_run_flags_and_refuses_the_rest() -> None:
         parse_lossy("--n-expert-used three")
     with pytest.raises(ConfigError, match="turns no lossy lever on"):
         parse_lossy("")
+    with pytest.raises(ConfigError, match="No closing quotation"):  # was an internal error (shlex's ValueError)
+        parse_lossy('"unbalanced')
 
 
 def test_labels() -> None:

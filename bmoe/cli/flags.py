@@ -257,7 +257,7 @@ _FLAG_OF = {
     "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p", "repeat_penalty": "--repeat-penalty",
     "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
     "json_schema": "--json-schema", "json_object": "a JSON object", "temperature": "--temp", "max_tokens": "-n",
-    "seed": "--seed", "stop": "--stop",
+    "seed": "--seed", "stop": "--stop", "drop_renorm": "--drop-no-renorm", "overlap": "--overlap",
 }
 _FLAG_WORDS = re.compile("|".join(rf"(?<![\w-]){re.escape(k)}(?![\w-])" for k in sorted(_FLAG_OF, key=len, reverse=True)))
 

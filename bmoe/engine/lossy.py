@@ -62,7 +62,11 @@ def parse_lossy(text: str) -> dict[str, object]:
     """RunConfig fields from a flag string like ``"--n-expert-used 4"``; a bad one is a ConfigError."""
     parser = _FlagParser(prog="--lossy", add_help=False)
     add_lossy_flags(parser)
-    fields = lossy_fields(parser.parse_args(shlex.split(text)))
+    try:
+        words = shlex.split(text)
+    except ValueError as e:  # an unbalanced quote: it was an internal error
+        raise ConfigError(f"--lossy {text!r}: {e}") from None
+    fields = lossy_fields(parser.parse_args(words))
     if all(fields[f] is None for f in ("n_expert_used", "drop_cold_experts", "route_ahead")):
         raise ConfigError(f"--lossy {text!r} turns no lossy lever on")
     return fields

@@ -542,7 +542,7 @@ class Session:
         if self._loop is loop:
             return
         if self._loop is not None and not self._loop.is_closed():
-            raise BmoeError("this session belongs to the event loop that first ran it, which is still open: "
+            raise BmoeError("this session belongs to the event loop it last ran on, which is still open: "
                             "use it from that loop (or from SyncSession in threads), or close that loop first")
         self._loop, self._lock = loop, None
 
