@@ -550,3 +550,14 @@ def test_an_idle_server_asks_the_pressure_guard_and_reports_its_budget(tiny) -> 
         session.check_memory = lambda: calls.append(True) or real()  # type: ignore[method-assign]
         until(lambda: len(calls) >= 2)
         assert metric(url, "bmoe_cache_budget_bytes") == session.budget_bytes
+
+
+def test_a_server_on_a_lossy_session_says_so(tiny) -> None:
+    """A server built through the API on a lossy session was indistinguishable from an exact one."""
+    path = tiny.path(TinySpec())
+    lossy = RunConfig(mode="stream", n_ctx=256, cache_bytes=MiB, n_expert_used=1)
+    with Session.open(path, lossy) as session, running(create_app(session)) as url:
+        (model,) = httpx.get(f"{url}/v1/models", timeout=GUARD_S).json()["data"]
+        assert model["lossy"] is True and model["lossy_flags"] == "--n-expert-used 1", model
+    with Session.open(path, CONFIG) as session, running(create_app(session)) as url:
+        assert "lossy" not in httpx.get(f"{url}/v1/models", timeout=GUARD_S).json()["data"][0]

@@ -49,6 +49,7 @@ from bmoe.engine.completions import (
     run,
 )
 from bmoe.engine.config import RunConfig
+from bmoe.engine.lossy import lossy_label
 from bmoe.engine.sampling import ParamError
 from bmoe.engine.session import Session
 from bmoe.errors import BmoeError, ConfigError, SessionClosedError
@@ -394,7 +395,13 @@ def create_app(
         return await generation(request, "completions", CompletionRequest)
 
     def model_object() -> dict[str, Any]:
-        return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "bmoe"}
+        out = {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "bmoe"}
+        session = server.session
+        if session is not None:  # a server built on a lossy session says so (bmoe serve takes no lever)
+            label = lossy_label(session.config)
+            if label["lossy"]:
+                out.update(label)
+        return out
 
     async def models(_: Request) -> Response:
         return JSONResponse({"object": "list", "data": [model_object()]})
