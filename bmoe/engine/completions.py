@@ -20,7 +20,8 @@ token. Differences from llama-cpp-python on purpose:
   llama-cpp-python adds 40 / 0.95 / 0.05);
 - ``max_tokens`` None is 16 for a text completion (OpenAI's default; a chat's is the rest of the
   context) and 0 or less is refused (llama-cpp-python reads both as "up to the context");
-- bytes that end a reply in the middle of a UTF-8 character are U+FFFD, not dropped.
+- bytes that are not valid UTF-8 (a broken character anywhere, or one a reply ends inside) are
+  U+FFFD, where llama-cpp-python drops them.
 """
 
 from __future__ import annotations
