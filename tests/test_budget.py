@@ -203,3 +203,23 @@ def test_a_live_auto_guard_grows_past_the_open_budget_and_a_fixed_one_does_not(t
         assert s.pressure_guard.ceiling == bank // 2 + needs.buffers
     with Session.open(path, RunConfig(mode="stream", n_ctx=256, cache_bytes=bank // 2)) as fixed:
         assert fixed.budget_bytes == bank // 2 and fixed.pressure_guard.ceiling == bank // 2
+
+
+def test_where_expert_major_can_run_the_budget_makes_room_for_one_tokens_experts_not_a_batch(tiny) -> None:
+    """The memory model counted a whole batch's expert union beside the budget even where every
+    layer can run expert-major (auto takes it exactly when the union would not fit): on a tight
+    machine a small cache was refused, or auto chose none, though expert-major keeps within it."""
+    path = tiny.path(TinySpec())
+
+    def union_mib(prefill: str) -> float:
+        with Session.open(path, RunConfig(mode="stream", n_ctx=256, cache_bytes=None, prefill=prefill)) as s:
+            entry = max(s.layout.entry_bytes().values())
+            k, n = s.layout.n_expert_used, s.layout.n_expert
+            how = s.budget_how or ""
+        found = re.search(r"the ([\d.]+) MiB prefill union", how)
+        assert found is not None, how
+        return float(found.group(1)), entry, k, n
+
+    grouped, entry, k, n = union_mib("auto")
+    batch, *_ = union_mib("batch")
+    assert grouped == pytest.approx(k * entry / MiB, abs=0.06) and batch == pytest.approx(n * entry / MiB, abs=0.06)

@@ -239,7 +239,14 @@ class Session:
                     release_file_pages(layout, mapping_spans(layout, tensors))
                 # The user and reserved opens copy the dense part into anonymous memory.
                 in_file = opened.open_mode not in ("user", "reserved")
-                parts = StreamParts.live(layout, tensors, config, dense_in_file=in_file, n_batch=model.n_batch)
+                # Where every MoE layer can run expert-major, no prompt's union is ever held whole
+                # beside the budget (auto takes expert-major exactly when it would not fit): one
+                # token's experts a layer is the most the budget must make room for. Counting a
+                # whole batch's union refused a small cache, or made auto choose none, on
+                # machines where expert-major keeps within it.
+                grouped = shapes is not None and set(layout.moe_layers) <= shapes.layers
+                parts = StreamParts.live(layout, tensors, config, dense_in_file=in_file,
+                                         n_batch=1 if grouped else model.n_batch)
                 overlap = _plan_overlap(model, callback, layout, tensors) if config.overlap else None
                 predictor = None
                 if config.predict_prefetch or config.predicts_prompts:
