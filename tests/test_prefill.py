@@ -13,7 +13,7 @@ import asyncio
 
 import pytest
 
-from bmoe.engine.config import RunConfig
+from bmoe.engine.config import MiB, RunConfig
 from bmoe.engine.prefill import planner_of
 from bmoe.engine.session import Session
 from bmoe.errors import ConfigError
@@ -225,3 +225,14 @@ def test_a_session_whose_prompts_outgrow_the_cache_keeps_the_resident_tokens(tin
     streamed, plans = asyncio.run(run(RunConfig(cache_bytes=MIB, reuse_prompt=False)))
     assert streamed == resident
     assert any("exceeds the 1 MiB budget" in p for p in plans), plans  # the case the audit hit
+
+
+def test_the_strategy_a_prompt_ran_with_is_in_the_stats(tiny) -> None:
+    """Which strategy auto took, and why, was kept only inside the planner: --json could not say
+    whether a prompt ran in one batch or expert-major."""
+    path = tiny.path(TinySpec())
+    for prefill in ("expert", "token", "batch"):
+        with Session.open(path, RunConfig(mode="stream", n_ctx=256, cache_bytes=MiB, prefill=prefill)) as s:
+            stats = asyncio.run(s.generate(PROMPT, 2)).stats
+        assert stats.prefill_strategy == prefill and stats.prefill_reason, (prefill, stats.prefill_reason)
+        assert stats.as_dict()["prefill_strategy"] == prefill

@@ -31,7 +31,7 @@ from bmoe.engine.expert_major import GROUP_EXPERTS, ExpertMajor, Shapes
 from bmoe.engine.isolate import check_first_open
 from bmoe.engine.loader import OpenedModel, capture_weights, open_model
 from bmoe.engine.lossy import LoadOverrides, load_overrides, lossy_callback
-from bmoe.engine.prefill import prefill_batches
+from bmoe.engine.prefill import planner_of, prefill_batches
 from bmoe.engine.sampling import (
     GREEDY,
     Sampler,
@@ -438,6 +438,9 @@ class Session:
             batches = prefill_batches(self, tokens[reused:])
             sampler = Sampler(model.vocab, model.n_vocab, sampling, tokens)
             stats = self._new_stats(len(tokens))
+            choice = planner_of(self).last_choice  # what prefill_batches just chose, and why
+            if choice is not None:
+                stats.prefill_strategy, stats.prefill_reason = choice.strategy, choice.reason
             self.last_stats = stats
             self.last_usage = None  # this generation's, set as it ends however it ends
             start = self._counters()

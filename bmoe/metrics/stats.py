@@ -70,6 +70,9 @@ class GenerationStats:
     # Predictive read-ahead: per MoE layer, share of its routed experts the predictor named one
     # layer early (decode steps of this session so far).
     predict_accuracy_pct: dict[int, float] | None = None
+    # How the prompt ran (``--prefill``; auto's choice): batch, expert, micro or token, and why.
+    prefill_strategy: str | None = None
+    prefill_reason: str | None = None
     open_mode: str | None = None
     # Who filters graph nodes for the eval callback: "c", "python: <why not c>", None (no callback).
     node_filter: str | None = None
