@@ -182,7 +182,8 @@ def add_quality_command(subparsers: argparse._SubParsersAction) -> argparse.Argu
     )
     p.add_argument("model", type=Path, help="GGUF file (shard 1 of a split set)")
     p.add_argument("--lossy", required=True, metavar='"FLAGS"',
-                   help='the lever flags of the lossy run, e.g. "--n-expert-used 4"')
+                   help='the lever flags of the lossy run, e.g. "--n-expert-used 4"; write --lossy="--route-ahead=1" '
+                        'when the flags start with a glued value (argparse reads "--x=1" alone as a flag)')
     p.add_argument("-n", "--tokens", type=number(int, 2, 1 << 20, "a number of tokens"), default=16,
                    help="tokens per prompt")
     p.add_argument("--prompts", type=Path, default=None,

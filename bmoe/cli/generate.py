@@ -120,4 +120,6 @@ def _summary(r: dict) -> str:
             f", read {num(r['read_mib_per_s'], '.0f')} MiB/s ({r['io_mode']})"
             f", cache {mib_text(r['budget_bytes'])} MiB hit {num(r['cache_hit_pct'], '.1f')}%"
         )
+        if r.get("drop_dropped_experts"):  # dropped misses leave the count: the rate is not the cache's alone
+            line += f" of the experts not dropped ({r['drop_dropped_experts']} dropped)"
     return line
