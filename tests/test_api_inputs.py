@@ -233,7 +233,7 @@ def test_a_second_loop_while_the_first_is_open_is_refused(tiny) -> None:
     first_loop = asyncio.new_event_loop()
     try:
         first = first_loop.run_until_complete(s.generate(PROMPT, 2, stop_at_end=False))
-        with pytest.raises(BmoeError, match="event loop that first ran it"):
+        with pytest.raises(BmoeError, match="event loop it last ran on"):
             asyncio.run(s.generate(PROMPT, 2, stop_at_end=False))
         assert first_loop.run_until_complete(s.generate(PROMPT, 2, stop_at_end=False)).tokens == first.tokens
     finally:
