@@ -182,6 +182,9 @@ def test_unknown_like_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="leading dense block"):  # wrote 0.5 GiB with no experts in it
         SynthSpec(like="deepseek-v2-lite", n_layer=1, skew=False).validate()
     SynthSpec(like="deepseek-v2-lite", n_layer=2, skew=False).validate()
+    with pytest.raises(ConfigError, match="at least 4"):  # wrote 3 GB that bmoe refused: no block attends
+        SynthSpec(like="qwen3.5-35b-a3b", n_layer=3, skew=False).validate()
+    SynthSpec(like="qwen3.5-35b-a3b", n_layer=4, skew=False).validate()
 
 
 def predicted(path: Path) -> tuple[list[int], dict[int, float]]:

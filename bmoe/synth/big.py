@@ -160,6 +160,10 @@ class SynthSpec:
             # Only the leading dense blocks: a file with no experts, which nothing can stream.
             raise ConfigError(f"--layers must be more than {shape.name}'s {shape.n_dense_lead} leading dense "
                               f"block(s), or the model has no experts; got {self.n_layer}")
+        attn = dict(shape.extra).get("full_attn")  # hybrid shapes: every attn-th block attends
+        if self.n_layer is not None and isinstance(attn, int) and self.n_layer < attn:
+            raise ConfigError(f"--layers must be at least {attn} for {shape.name}: only every {attn}th block "
+                              f"attends, and a model where none does cannot run; got {self.n_layer}")
         if self.seed < 0 or self.seed >= 2**63:
             raise ConfigError(f"--seed must be in [0, 2^63), got {self.seed}")
         gamma = self.route_drift
