@@ -80,6 +80,7 @@ from bmoe.bench.balloon import (
     plan_balloon,
 )
 from bmoe.engine.aio import run as run_async
+from bmoe.engine.config import MAX_CTX
 from bmoe.errors import BmoeError, ConfigError
 from bmoe.io.layout import split_shard_paths
 from bmoe.io.pagecache import read_io_bytes
@@ -88,7 +89,6 @@ from bmoe.metrics.tokens import peak_rss_bytes
 from bmoe.pipeline.budget import read_meminfo
 
 MiB = 1 << 20
-MAX_CTX = 1 << 20  # RunConfig's largest n_ctx
 PROMPT = "The quick brown fox jumps over the lazy dog, and the experts stream from disk."
 WARMUP_PROMPT = "Warm-up: a different prompt, so the measured routing is not pre-read."
 LANES = (1, 2, 4, 8)

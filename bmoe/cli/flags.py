@@ -13,7 +13,7 @@ from pathlib import Path
 
 from bmoe.argtypes import number as _number
 from bmoe.argtypes import plain as _plain
-from bmoe.engine.config import MiB, RunConfig
+from bmoe.engine.config import MAX_CTX, MiB, RunConfig
 from bmoe.errors import ConfigError, OutputPathError
 
 
@@ -34,7 +34,7 @@ class _Help(argparse.HelpFormatter):
 MAX_MIB = float(1 << 30)  # 1 PiB: beyond any machine; bounds the bytes computed from a budget
 _mib = _number(float, 0, MAX_MIB, "a number of MiB")
 _tokens = _number(int, 1, 1 << 20, "a number of tokens")
-_ctx = _number(int, 16, 1 << 20, "a context length")
+_ctx = _number(int, 16, MAX_CTX, "a context length")
 _threads = _number(int, 1, 512, "a thread count")
 _io_threads = _number(int, 1, 64, "a number of I/O lanes")
 _layers_ahead = _number(int, 0, 64, "a number of layers")

@@ -26,6 +26,14 @@ OPEN_MODES: tuple[str, ...] = get_args(OpenMode)
 DENSE_POLICIES: tuple[str, ...] = get_args(DensePolicy)
 PREFILLS: tuple[str, ...] = get_args(Prefill)
 MiB = 1 << 20
+MAX_CTX = 1 << 20  # the largest context a run may ask for
+
+
+def check_cache_bytes(nbytes: int) -> None:
+    """A cache budget is 0 (off) or at least 1 MiB: less is a units mistake (bytes, not MiB). The
+    one rule RunConfig and ``Session.set_cache_budget`` hold a budget to."""
+    if not (nbytes == 0 or nbytes >= MiB):
+        raise ConfigError(f"cache budget must be 0 (off) or at least 1 MiB, got {nbytes} bytes")
 # Field annotation (a string: annotations are postponed) -> the type its value must have.
 _KINDS: dict[str, type] = {
     "bool": bool, "bool | None": bool, "int": int, "int | None": int, "float | None": float,
@@ -115,12 +123,10 @@ class RunConfig:
             raise ConfigError(f"io_threads must be 1..64, got {self.io_threads}")
         if self.n_threads is not None and not 1 <= self.n_threads <= 512:
             raise ConfigError(f"n_threads must be 1..512, got {self.n_threads}")
-        if not 16 <= self.n_ctx <= 1 << 20:
-            raise ConfigError(f"n_ctx must be 16..1048576, got {self.n_ctx}")
-        if self.cache_bytes is not None and not (self.cache_bytes == 0 or self.cache_bytes >= MiB):
-            raise ConfigError(
-                f"cache budget must be 0 (off) or at least 1 MiB, got {self.cache_bytes} bytes"
-            )
+        if not 16 <= self.n_ctx <= MAX_CTX:
+            raise ConfigError(f"n_ctx must be 16..{MAX_CTX}, got {self.n_ctx}")
+        if self.cache_bytes is not None:
+            check_cache_bytes(self.cache_bytes)
         if self.cache_ceiling_bytes is not None and self.cache_ceiling_bytes < 0:
             raise ConfigError(f"cache ceiling must be >= 0, got {self.cache_ceiling_bytes}")
         if self.open_mode not in OPEN_MODES:

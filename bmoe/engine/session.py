@@ -26,7 +26,7 @@ import numpy as np
 
 from bmoe.engine.blas import hold_one_blas_thread, release_blas_threads
 from bmoe.engine.callback import Capture, Consumption, EvalCallback
-from bmoe.engine.config import MiB, RunConfig
+from bmoe.engine.config import RunConfig, check_cache_bytes
 from bmoe.engine.expert_major import GROUP_EXPERTS, ExpertMajor, Shapes
 from bmoe.engine.isolate import check_first_open
 from bmoe.engine.loader import OpenedModel, capture_weights, open_model
@@ -730,8 +730,7 @@ class Session:
             raise ConfigError("a resident session has no expert cache")
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, np.integer)) or budget_bytes < 0:
             raise ConfigError(f"the cache budget is a whole number of bytes >= 0 (0: off), got {budget_bytes!r}")
-        if 0 < budget_bytes < MiB:  # as RunConfig: a budget under 1 MiB is a units mistake (bytes, not MiB)
-            raise ConfigError(f"the cache budget must be 0 (off) or at least 1 MiB, got {int(budget_bytes)} bytes")
+        check_cache_bytes(int(budget_bytes))
         # More than the bank can never be filled; the guard's ceiling would count the difference
         # as memory the cache is about to take.
         self._streaming.set_budget(min(int(budget_bytes), self.layout.expert_bytes))
