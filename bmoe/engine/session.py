@@ -746,9 +746,7 @@ class Session:
             return False
         if self._lock is not None and self._lock.locked():
             return False
-        before = len(self._streaming.budget_changes)
-        self._streaming.tick()
-        return len(self._streaming.budget_changes) > before
+        return self._streaming.tick() is not None
 
     @property
     def pressure_guard(self) -> PressureGuard | None:

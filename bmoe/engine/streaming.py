@@ -274,21 +274,24 @@ class Streamer:
                          n_expert=layout.n_expert, tokens=int(getattr(policy, "steps", 0)),
                          visits=policy.evidence())
 
-    def tick(self) -> None:
+    def tick(self) -> BudgetChange | None:
         """Between layers (no layer pinned, fast-path hits accounted): ask the guard, and on a
-        change evict down to the new budget at once, so the promise holds from this layer on."""
+        change evict down to the new budget at once, so the promise holds from this layer on.
+        The change, if any."""
         guard = self.guard
         if guard is None:
-            return
+            return None
         # The warm pool's spare pages are the cache's to be, already out of MemAvailable: counted
         # as unfilled budget too, they would read as another program's memory (a false shrink).
         pool = self.residency.pool
         spare = pool.spare_bytes if pool is not None else 0
         change = guard.poll(self.cache.budget_bytes, self.cache.resident_bytes + spare)
         if change is None:
-            return
-        self.budget_changes.append(replace(change, step=self.gate.step))
+            return None
+        change = replace(change, step=self.gate.step)
+        self.budget_changes.append(change)
         self.prefetch.evict(self.cache.set_budget(change.new))
+        return change
 
     def pause_pool(self) -> None:
         """A generation runs: the warm pool (if any) faults nothing in meanwhile."""

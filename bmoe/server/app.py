@@ -157,7 +157,7 @@ class _Server:
         self._opener = opener
         self.api_key = api_key
         self.turns = Turns(max_waiting)
-        self.metrics = ServerMetrics(lambda: self.turns.waiting)
+        self.metrics = ServerMetrics(lambda: self.turns.waiting, self._budget_bytes)
         self.max_body = max_body
         self.model_name = model_name
         self.created = int(time.time())
@@ -168,6 +168,12 @@ class _Server:
         # 4 MiB prompts queues here rather than taking every core), and the shutdown waits for
         # them before the model they tokenize with is freed.
         self._preparing = concurrent.futures.ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="bmoe-prepare")
+
+    def _budget_bytes(self) -> float:
+        """The cache budget now, for /metrics (NaN: no model open, or no cache)."""
+        session = self.session
+        budget = None if session is None or session.closed else session.budget_bytes
+        return math.nan if budget is None else budget
 
     def open(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -430,11 +436,9 @@ def create_app(
         while True:
             await asyncio.sleep(IDLE_MEMORY_CHECK_S)
             session = server.session
-            if session is not None and not session.closed and session.check_memory():
+            if session is not None and session.check_memory():  # False once closed
                 log.warning("memory pressure: the expert cache budget is now %.0f MiB",
                             (session.budget_bytes or 0) / (1 << 20))
-            if session is not None and not session.closed:
-                server.metrics.budget.set(math.nan if session.budget_bytes is None else session.budget_bytes)
 
     @asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:

@@ -23,7 +23,7 @@ from prometheus_client import (
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, queue_depth: Callable[[], float]) -> None:
+    def __init__(self, queue_depth: Callable[[], float], budget_bytes: Callable[[], float] = lambda: math.nan) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("bmoe_requests", "Completion requests by outcome", ["outcome"], registry=r)
         self.generated = Counter("bmoe_completion_tokens", "Tokens generated", registry=r)
@@ -45,6 +45,7 @@ class ServerMetrics:
         self.budget = Gauge("bmoe_cache_budget_bytes", "The expert cache budget now (the pressure guard moves it)",
                             registry=r)
         self.queue.set_function(queue_depth)
+        self.budget.set_function(budget_bytes)  # read at each scrape, as the queue depth is
         self.tok_per_s.set(math.nan)
         self.hit_pct.set(math.nan)
         self._hits = self._used = 0
