@@ -174,7 +174,7 @@ def test_auto_never_chunks_even_where_one_batch_would_break_the_budget() -> None
     a chat's replies left the resident run's from its second turn. One batch now, said why."""
     rates = Rates(1e9, 0.05, 0.002, hit=0.0)
     c = choose("auto", 50, 512, LAYERS, rates, budget_bytes=32 << 20)
-    assert not fits(LAYERS, 50, 0.0, 32 << 20), "one batch would break the budget"
+    assert not fits(LAYERS, 50, 32 << 20), "one batch would break the budget"
     assert c.strategy == "batch" and c.chunk == 512 and "exceeds the 32 MiB budget" in c.reason, c.reason
     # The cache off (budget 0) has no budget to keep: one batch.
     assert choose("auto", 50, 512, LAYERS, rates, budget_bytes=0).strategy == "batch"
@@ -200,7 +200,7 @@ def test_a_warm_cache_counts_the_experts_it_already_holds_in_the_union() -> None
     hot = [LayerCache(n_expert=64, k=4, expert_bytes=100 << 10, cached=40) for _ in range(4)]
     budget = int(4.5 * (1 << 20))
     assert distinct(64, 4, 120) * (100 << 10) > budget, "the union is over the budget"
-    assert not fits(hot, 120, 0.9, budget)
+    assert not fits(hot, 120, budget)
     assert choose("auto", 120, 512, hot, rates, budget_bytes=budget, expert=True).strategy == "expert"
 
 

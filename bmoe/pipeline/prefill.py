@@ -128,12 +128,12 @@ def strategy_of(chunk: int, n_tokens: int, n_batch: int) -> str:
     return "token" if chunk == 1 else "micro"
 
 
-def fits(layers: Sequence[LayerCache], chunk: int, hit: float | None, budget_bytes: int) -> bool:
+def fits(layers: Sequence[LayerCache], chunk: int, budget_bytes: int) -> bool:
     """Whether one call of ``chunk`` tokens is expected to hold no more than the budget in any
     layer: its whole expert union is resident while the layer computes, the experts already
     cached as much as those it reads (counting only the reads, a warm cache ran one batch over
-    the budget, 6.2 MiB against 4.5, and said it kept it). A cache that is off, budget 0, has no
-    budget to keep; ``hit`` is not needed: what is cached is pinned as well."""
+    the budget, 6.2 MiB against 4.5, and said it kept it), so no hit rate enters. A cache that is
+    off, budget 0, has no budget to keep."""
     if budget_bytes <= 0:
         return True
     m = max(chunk, 1)
@@ -165,7 +165,7 @@ def choose(
     if layers is None:
         return Choice(n_batch, "batch", "resident: nothing to read")
     full = min(n_tokens, n_batch)
-    if expert and full > 1 and not fits(layers, full, rates.hit, budget_bytes):
+    if expert and full > 1 and not fits(layers, full, budget_bytes):
         est_full = estimate_s(layers, n_tokens, full, rates)
         return Choice(
             n_batch, "expert",
@@ -180,7 +180,7 @@ def choose(
     est = None if est_full is None else {full: float(est_full)}
     if est_full is None:
         return Choice(n_batch, "batch", "not measured yet: one batch")
-    if fits(layers, full, rates.hit, budget_bytes):
+    if fits(layers, full, budget_bytes):
         return Choice(n_batch, "batch", f"one batch keeps the budget: est {est_full:.3f} s", est)
     return Choice(n_batch, "batch",
                   f"one batch (est {est_full:.3f} s): its union exceeds the {budget_bytes / 2**20:g} MiB budget for a "
