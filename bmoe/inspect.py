@@ -43,7 +43,7 @@ from gguf import GGMLQuantizationType
 from bmoe.argtypes import checked
 from bmoe.engine.loader import choose_open_mode
 from bmoe.io.layout import ModelLayout, block_of
-from bmoe.io.probe import ProbeResult, cached_probe, read_store, stored_probe
+from bmoe.io.probe import cached_probe, stored_rate
 from bmoe.io.recipes import RECIPES, recipe_for
 from bmoe.io.validate import open_layout
 from bmoe.pipeline.budget import (
@@ -154,15 +154,6 @@ def recurrent_blocks(layout: ModelLayout) -> list[int]:
     return []
 
 
-def cached_read_rate(directory: Path, slice_bytes: int, lanes: int) -> ProbeResult | None:
-    """The probe ``bmoe replay`` / ``inspect --probe`` stored for this device, if any (no I/O)."""
-    try:
-        key = f"{os.stat(directory).st_dev}:{slice_bytes}:{lanes}"
-    except OSError:
-        return None
-    return stored_probe(read_store().get(key))
-
-
 def _verdict(dense: int, bank: int, mtp: int, ws: int, needs: Needs, ram: int, ram_of: str) -> tuple[str, str]:
     """Resident, streamed or cannot run, and why, naming every figure the RAM was compared with:
     beside the model's bytes, the margin left to the kernel and other programs and the interpreter's
@@ -238,7 +229,7 @@ def inspect_model(path: str | os.PathLike[str], *, ram_bytes: int | None = None,
                             expert_bank_bytes=bank, working_set_bytes=ws)
     first = layout.layer_experts(layout.moe_layers[0])[0]
     directory = Path(layout.shards[0]).resolve().parent
-    rate = cached_probe(directory, first.stride, lanes) if probe else cached_read_rate(directory, first.stride, lanes)
+    rate = cached_probe(directory, first.stride, lanes) if probe else stored_rate(directory, first.stride, lanes)
     read_how = rate.how + (" (cached)" if not probe else "") if rate else (
         f"no cached probe for this device at {first.stride}-byte slices, {lanes} lanes: run with --probe")
     gbs = compute_gbs if compute_gbs is not None else COMPUTE_PRIOR_GBS

@@ -84,7 +84,12 @@ from bmoe.engine.config import MAX_CTX
 from bmoe.errors import BmoeError, ConfigError
 from bmoe.io.layout import split_shard_paths
 from bmoe.io.pagecache import read_io_bytes
-from bmoe.io.paths import check_output, check_output_dir, check_plot_output
+from bmoe.io.paths import (
+    check_output,
+    check_output_dir,
+    check_plot_output,
+    replace_with_text,
+)
 from bmoe.metrics.tokens import peak_rss_bytes
 from bmoe.pipeline.budget import read_meminfo
 
@@ -762,9 +767,7 @@ def child_main(spec_path: str, result_path: str) -> int:
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     """Whole or not at all: the parent may read the file the moment it kills a child that timed out."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
+    replace_with_text(path, json.dumps(data))
 
 
 # --- summarizing ----------------------------------------------------------------------------------

@@ -169,6 +169,18 @@ def check_plot_output(path: PathLike, flag: str) -> Path:
     return out
 
 
+def replace_with_text(path: Path, text: str) -> None:
+    """Write ``text`` to a file beside ``path`` and rename it over: a reader sees the whole old
+    file or the whole new one, never a torn one (another process may read it at any moment)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        remove_partial(tmp)
+        raise
+
+
 def fresh_partial(path: Path) -> Path:
     """``path``, made safe to create as this run's temporary file: a link or a file an earlier run
     left under that name is unlinked first, never written through (opening a link named

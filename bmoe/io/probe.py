@@ -28,6 +28,7 @@ from pathlib import Path
 from bmoe.errors import ConfigError
 from bmoe.io.direct import DIRECT_ALIGN, ShardReader, align_up
 from bmoe.io.layout import ModelLayout
+from bmoe.io.paths import replace_with_text
 from bmoe.io.regions import Region
 
 MiB = 1 << 20
@@ -187,20 +188,31 @@ def _timed_reads(
             r.close()
 
 
+def _store_key(directory: Path, slice_bytes: int, lanes: int) -> str:
+    return f"{os.stat(directory).st_dev}:{slice_bytes}:{lanes}"
+
+
+def stored_rate(directory: Path, slice_bytes: int, lanes: int) -> ProbeResult | None:
+    """The probe stored for this device, slice size and lane count, if a valid one is (no I/O
+    beyond the store)."""
+    try:
+        key = _store_key(directory, slice_bytes, lanes)
+    except OSError:
+        return None
+    return stored_probe(read_store().get(key))
+
+
 def cached_probe(directory: Path, slice_bytes: int, lanes: int) -> ProbeResult:
     """The probe for this device, slice size and lane count, measured on first use."""
-    key = f"{os.stat(directory).st_dev}:{slice_bytes}:{lanes}"
-    known = read_store()
-    stored = stored_probe(known.get(key))
+    stored = stored_rate(directory, slice_bytes, lanes)
     if stored is not None:
         return stored
     result = measure(directory, slice_bytes, lanes)  # none, or not a valid one: measured again
-    known[key] = asdict(result)
+    known = read_store()
+    known[_store_key(directory, slice_bytes, lanes)] = asdict(result)
     store = cache_dir() / "probe.json"
     store.parent.mkdir(parents=True, exist_ok=True)
-    tmp = store.with_name(f".probe.{os.getpid()}.json")  # renamed over: two runs never tear the store
-    tmp.write_text(json.dumps(known, indent=1))
-    os.replace(tmp, store)
+    replace_with_text(store, json.dumps(known, indent=1))  # two runs never tear the store
     return result
 
 
