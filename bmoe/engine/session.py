@@ -246,7 +246,7 @@ class Session:
                 # machines where expert-major keeps within it.
                 grouped = shapes is not None and set(layout.moe_layers) <= shapes.layers
                 parts = StreamParts.live(layout, tensors, config, dense_in_file=in_file,
-                                         n_batch=1 if grouped else model.n_batch)
+                                         union_tokens=1 if grouped else model.n_batch)
                 overlap = _plan_overlap(model, callback, layout, tensors) if config.overlap else None
                 predictor = None
                 if config.predict_prefetch or config.predicts_prompts:

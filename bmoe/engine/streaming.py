@@ -79,15 +79,16 @@ def read_smaps() -> str:
 
 
 def measure_needs(
-    layout: ModelLayout, *, dense_in_file: bool, n_batch: int, mem_total: int,
+    layout: ModelLayout, *, dense_in_file: bool, union_tokens: int, mem_total: int,
     expert_data: Sequence[tuple[int, int]] = (),
 ) -> Needs:
     """What the process needs besides the cache, measured now (after the model and its context
     are made, before the expert regions are reserved: their address space is not a need).
-    ``expert_data``: [start, end) of where the open put each expert tensor's bytes (never touched
-    once rebound)."""
+    ``union_tokens``: the most tokens whose experts one layer may hold at once (a batch; one where
+    every layer can run expert-major). ``expert_data``: [start, end) of where the open put each
+    expert tensor's bytes (never touched once rebound)."""
     smaps = parse_smaps(read_smaps(), [str(p) for p in layout.shards], expert_data)
-    transient = transient_bytes(layout.n_expert, layout.n_expert_used, n_batch, max(layout.entry_bytes().values()))
+    transient = transient_bytes(layout.n_expert, layout.n_expert_used, union_tokens, max(layout.entry_bytes().values()))
     return needs_from(smaps=smaps, dense_bytes=layout.dense_bytes, dense_in_file=dense_in_file,
                       transient=transient, mem_total=mem_total)
 
@@ -114,7 +115,7 @@ class StreamParts:
     @classmethod
     def live(
         cls, layout: ModelLayout, tensors: dict[tuple[int, str], int], config: RunConfig, *,
-        dense_in_file: bool = True, n_batch: int = 512,
+        dense_in_file: bool = True, union_tokens: int = 512,
     ) -> StreamParts:
         """``dense_in_file``: the dense weights live in llama.cpp's file mapping (or are still to be
         copied), not in anonymous memory the open already filled."""
@@ -123,7 +124,7 @@ class StreamParts:
         nbytes = {(il, et.suffix): et.span.nbytes for il in layout.moe_layers for et in layout.layer_experts(il)}
         expert_data = [(data, data + nbytes[key]) for key, addr in tensors.items()
                        if (data := GgmlTensor.from_address(addr).data) and key in nbytes]
-        needs = measure_needs(layout, dense_in_file=dense_in_file, n_batch=n_batch, mem_total=mem_total,
+        needs = measure_needs(layout, dense_in_file=dense_in_file, union_tokens=union_tokens, mem_total=mem_total,
                               expert_data=expert_data)
         budget = resolve_budget(
             config.cache_bytes,
