@@ -11,7 +11,7 @@ asserted.
 
 ``--open-modes user,mmap-drop`` runs each policy under each open: the ``user`` open (what ``auto``
 picks for a model that fits its allocation) builds llama.cpp's graph with every optional tensor
-the architecture knows (no-op ``.scale`` multiplies and biases, ``bmoe.engine.loader``), the plain
+the architecture knows (no-op ``.scale`` multiplies and biases, ``bmoe.llama.loader``), the plain
 load behind ``mmap-drop`` the same graph as the resident run. Side by side they separate what the
 streaming machinery costs from what the user open's graph costs.
 

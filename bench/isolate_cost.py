@@ -1,6 +1,6 @@
 """What the first-open check costs on a model, side by side with the parent's own open.
 
-The check (``bmoe.engine.isolate``) loads a file bmoe has not seen in a child process and decodes
+The check (``bmoe.llama.isolate``) loads a file bmoe has not seen in a child process and decodes
 two tokens there, so that an assertion inside llama.cpp kills the child, not the user's run. This
 script measures, on one model and in one run:
 
@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bmoe.engine import isolate
+from bmoe.llama import isolate
 from bmoe.engine.config import RunConfig
 from bmoe.engine.session import Session
 from bmoe.io.pagecache import evict_file_cache

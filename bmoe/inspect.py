@@ -41,7 +41,7 @@ from pathlib import Path
 from gguf import GGMLQuantizationType
 
 from bmoe.argtypes import checked
-from bmoe.engine.loader import choose_open_mode
+from bmoe.llama.loader import choose_open_mode
 from bmoe.io.layout import ModelLayout, block_of
 from bmoe.io.probe import cached_probe, stored_rate
 from bmoe.io.recipes import RECIPES, recipe_for

@@ -17,7 +17,7 @@ import dataclasses
 import pytest
 
 from bmoe.engine.config import MiB, RunConfig
-from bmoe.engine.loader import UserPathUnsupported, open_model
+from bmoe.llama.loader import UserPathUnsupported, open_model
 from bmoe.engine.session import Session
 from bmoe.io.validate import open_layout
 from bmoe.pipeline.hooks import Hooks

@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bmoe.engine.callback import EvalCallback
-from bmoe.engine.loader import capture_weights, open_model
-from bmoe.engine.seam import LlamaModel
+from bmoe.llama.callback import EvalCallback
+from bmoe.llama.loader import capture_weights, open_model
+from bmoe.llama.seam import LlamaModel
 from bmoe.io.ggml import GgmlTensor
 from bmoe.io.layout import read_layout
 from bmoe.io.pagecache import evict_file_cache

@@ -9,7 +9,7 @@ import asyncio
 import numpy as np
 import pytest
 
-import bmoe.engine.expert_major as expert_major
+import bmoe.llama.expert_major as expert_major
 from bmoe.engine.config import MiB, RunConfig
 from bmoe.engine.session import Session
 from bmoe.errors import ConfigError, DecodeAbortedError

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from gguf import GGUFReader
 
-from bmoe.engine import isolate
+from bmoe.llama import isolate
 from bmoe.errors import ModelFileError
 from bmoe.io.layout import read_layout
 from bmoe.io.validate import open_layout
@@ -103,7 +103,7 @@ def test_isolation_can_be_turned_off(tiny, tmp_path: Path, monkeypatch: pytest.M
 
 _RESERVED_CHILD = r"""
 import sys
-from bmoe.engine import isolate, loader
+from bmoe.llama import isolate, loader
 from bmoe.io.layout import read_layout
 
 layout = read_layout(sys.argv[1])

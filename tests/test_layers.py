@@ -23,7 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("_version", "errors", "argtypes"),
     ("io", "pipeline"),
     ("metrics",),
-    ("stages",),
+    ("llama", "stages"),  # the llama.cpp seam and the pipeline stages: peers, meeting at the gate
     ("engine",),
     ("synth",),
     ("bench", "server", "inspect", "quality"),

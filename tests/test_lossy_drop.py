@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import bmoe.engine.drop_cold as drop_cold
+import bmoe.llama.drop_cold as drop_cold
 from bmoe.engine.config import MiB, RunConfig
-from bmoe.engine.drop_cold import choose_drops
+from bmoe.llama.drop_cold import choose_drops
 from bmoe.errors import ConfigError
 from bmoe.synth.tiny import TinySpec
 from tests.helpers import generate_tokens
@@ -110,10 +110,10 @@ def test_nonsense_is_refused(kw: dict, msg: str) -> None:
 def test_levers_off_keep_the_plain_callback(tiny) -> None:
     """Decided at construction: with no node-level lever the session gets the plain callback, so
     the per-node path is exactly the lossless one."""
-    from bmoe.engine.callback import EvalCallback
-    from bmoe.engine.drop_cold import DropColdCallback
+    from bmoe.llama.callback import EvalCallback
+    from bmoe.llama.drop_cold import DropColdCallback
     from bmoe.engine.lossy import lossy_callback
-    from bmoe.engine.route_ahead import RouteAheadCallback
+    from bmoe.llama.route_ahead import RouteAheadCallback
     from bmoe.io.validate import open_layout
     from bmoe.pipeline.gate import RoutingGate
 
@@ -139,7 +139,7 @@ def test_routers_whose_scores_are_not_shares_are_refused_at_open(tiny, arch: str
 
 
 def test_zero_fraction_drops_nothing_whatever_the_scores() -> None:
-    from bmoe.engine.drop_cold import choose_drops
+    from bmoe.llama.drop_cold import choose_drops
 
     ids = np.array([[0, 1, 2, 3]])
     scores = np.array([[1.81, 0.32, -1.52, -1.99]], dtype=np.float32)  # llama4's logits, as read

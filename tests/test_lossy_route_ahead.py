@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from bmoe.engine.config import MiB, RunConfig
-from bmoe.engine.route_ahead import top_k_rows
+from bmoe.llama.route_ahead import top_k_rows
 from bmoe.errors import ConfigError
 from bmoe.pipeline.hooks import Hooks
 from bmoe.synth.tiny import TinySpec

@@ -10,8 +10,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from bmoe.engine import node_filter
-from bmoe.engine.callback import EvalCallback
+from bmoe.llama import node_filter
+from bmoe.llama.callback import EvalCallback
 from bmoe.engine.config import MiB, RunConfig
 from bmoe.engine.session import Session
 from bmoe.io.ggml import GgmlTensor
@@ -237,7 +237,7 @@ def _noop_run(path, monkeypatch: pytest.MonkeyPatch, scale: float | None = None,
     """Greedy tokens of a streamed user-open run and the no-op nodes it muted. ``scale``: the
     filled per-expert down scales are overwritten with it after the open (the filter still takes
     them for no-ops); ``mute`` False: the filter mutes nothing."""
-    import bmoe.engine.loader as loader
+    import bmoe.llama.loader as loader
 
     open_user = loader._open_user
 

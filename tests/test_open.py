@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bmoe.engine.callback import EvalCallback
-from bmoe.engine.loader import (
+from bmoe.llama.callback import EvalCallback
+from bmoe.llama.loader import (
     OpenedModel,
     UserPathUnsupported,
     capture_weights,
@@ -20,7 +20,7 @@ from bmoe.engine.loader import (
     open_model,
     user_alloc_bytes,
 )
-from bmoe.engine.seam import LlamaModel
+from bmoe.llama.seam import LlamaModel
 from bmoe.errors import SeamError
 from bmoe.io.ggml import GgmlTensor
 from bmoe.io.layout import ModelLayout, read_layout
@@ -225,7 +225,7 @@ def test_choose_open_mode(tmp_path: Path) -> None:
 
 
 def test_auto_open_follows_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from bmoe.engine import loader
+    from bmoe.llama import loader
 
     layout = layout_of(tmp_path, TinySpec(arch="qwen3moe"))
     monkeypatch.setattr(loader, "read_overcommit", lambda: 0)

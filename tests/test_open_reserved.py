@@ -14,16 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from bmoe.engine import loader
+from bmoe.llama import loader
 from bmoe.engine.config import RunConfig
-from bmoe.engine.loader import (
+from bmoe.llama.loader import (
     UserPathUnsupported,
     choose_open_mode,
     open_model,
     reserved_commit_bytes,
     user_alloc_bytes,
 )
-from bmoe.engine.open_reserved import (
+from bmoe.llama.open_reserved import (
     check_buft_mirror,
     check_tensors_in_reservation,
     expert_pattern,
@@ -140,7 +140,7 @@ def test_reserved_refuses_what_user_cannot_fill(tmp_path: Path) -> None:
 
 _DATA_LIMIT_CHILD = """
 import json, resource, sys
-from bmoe.engine.loader import UserPathUnsupported, open_model, reserved_commit_bytes, user_alloc_bytes
+from bmoe.llama.loader import UserPathUnsupported, open_model, reserved_commit_bytes, user_alloc_bytes
 from bmoe.errors import SeamError
 from bmoe.io.layout import read_layout
 
@@ -237,7 +237,7 @@ def test_auto_chooses_reserved_where_user_would_be_refused(tmp_path: Path, monke
 
 
 def test_auto_falls_back_when_the_mirror_disagrees(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from bmoe.engine import open_reserved
+    from bmoe.llama import open_reserved
     from bmoe.errors import SeamMismatchError
 
     layout = read_layout(write_tiny(tmp_path / "t.gguf", TinySpec())[0])

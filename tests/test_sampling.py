@@ -245,7 +245,7 @@ def test_stderr_held_on_two_threads_is_given_back_to_stderr() -> None:
     import os
     import threading
 
-    from bmoe.engine.seam import stderr_kept
+    from bmoe.llama.seam import stderr_kept
 
     before = os.fstat(2)
     first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()

@@ -285,7 +285,7 @@ def test_every_llama_decode_runs_on_the_process_compute_thread(tiny, monkeypatch
     import threading
 
     import bmoe.engine.session as session_mod
-    from bmoe.engine.seam import LlamaModel
+    from bmoe.llama.seam import LlamaModel
 
     threads: list[tuple[str, int]] = []
     decode = LlamaModel.decode

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from bmoe.engine.callback import EvalCallback
-from bmoe.engine.loader import open_model
-from bmoe.engine.seam import LlamaModel
+from bmoe.llama.callback import EvalCallback
+from bmoe.llama.loader import open_model
+from bmoe.llama.seam import LlamaModel
 from bmoe.errors import ConfigError
 from bmoe.io.layout import read_layout
 from bmoe.pipeline.gate import RoutingGate

@@ -116,7 +116,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def _apply_verbosity(args: argparse.Namespace) -> None:
     """llama.cpp's log reaches stderr only with -v (bmoe reports failures itself, in one line)."""
     if getattr(args, "verbose", False):
-        from bmoe.engine.seam import set_llama_log
+        from bmoe.llama.seam import set_llama_log
 
         set_llama_log(True)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from bmoe.engine.seam import llama_lib
+from bmoe.llama.seam import llama_lib
 from bmoe.engine.thinking import ChannelSplitter, ThinkSplitter
 
 PLAIN = "plain transcript (the model file has no chat template that can be rendered)"

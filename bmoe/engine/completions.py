@@ -36,7 +36,7 @@ from typing import Any
 
 from bmoe.engine.chat import Message
 from bmoe.engine.sampling import MAX_LOGPROBS, ParamError, SamplingParams, TokenLogprob
-from bmoe.engine.seam import check_token_ids
+from bmoe.llama.seam import check_token_ids
 from bmoe.engine.stops import StopStrings
 from bmoe.engine.thinking import CUT
 from bmoe.errors import ConfigError

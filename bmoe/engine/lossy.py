@@ -22,9 +22,9 @@ import shlex
 from typing import Any, NoReturn
 
 from bmoe.engine.config import RunConfig
-from bmoe.engine.drop_cold import DropCold, DropColdCallback
-from bmoe.engine.route_ahead import RouteAhead, RouteAheadCallback
-from bmoe.engine.seam import llama_lib, model_params
+from bmoe.llama.drop_cold import DropCold, DropColdCallback
+from bmoe.llama.route_ahead import RouteAhead, RouteAheadCallback
+from bmoe.llama.seam import llama_lib, model_params
 from bmoe.errors import ConfigError
 from bmoe.io.layout import ModelLayout
 from bmoe.io.recipes import recipe_for

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from bmoe.engine.seam import llama_lib, stderr_kept
+from bmoe.llama.seam import llama_lib, stderr_kept
 from bmoe.errors import ConfigError
 
 # JSON mode: any JSON value whose top level is an object (llama.cpp's json.gbnf, object root).

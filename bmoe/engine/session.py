@@ -24,12 +24,12 @@ from typing import Any, Literal
 
 import numpy as np
 
-from bmoe.engine.blas import hold_one_blas_thread, release_blas_threads
-from bmoe.engine.callback import Capture, Consumption, EvalCallback
+from bmoe.llama.blas import hold_one_blas_thread, release_blas_threads
+from bmoe.llama.callback import Capture, Consumption, EvalCallback
 from bmoe.engine.config import RunConfig, check_cache_bytes
-from bmoe.engine.expert_major import GROUP_EXPERTS, ExpertMajor, Shapes
-from bmoe.engine.isolate import check_first_open
-from bmoe.engine.loader import OpenedModel, capture_weights, open_model
+from bmoe.llama.expert_major import GROUP_EXPERTS, ExpertMajor, Shapes
+from bmoe.llama.isolate import check_first_open
+from bmoe.llama.loader import OpenedModel, capture_weights, open_model
 from bmoe.engine.lossy import LoadOverrides, load_overrides, lossy_callback
 from bmoe.engine.prefill import planner_of, prefill_batches
 from bmoe.engine.sampling import (
@@ -40,7 +40,7 @@ from bmoe.engine.sampling import (
     check_grammar,
     logprobs_of,
 )
-from bmoe.engine.seam import LlamaModel, check_token_ids
+from bmoe.llama.seam import LlamaModel, check_token_ids
 from bmoe.engine.stops import StopStrings
 from bmoe.engine.streaming import Streamer, StreamParts
 from bmoe.errors import (
@@ -286,7 +286,7 @@ class Session:
         session._recorder = recorder
         session._watch = watch
         if streamer is not None and (streamer.modes.predictor is not None or config.route_ahead is not None):
-            hold_one_blas_thread()  # router products on the compute thread (bmoe.engine.blas)
+            hold_one_blas_thread()  # router products on the compute thread (bmoe.llama.blas)
             session._blas_held = True
         return session
 

@@ -14,7 +14,7 @@ stage coroutines; the lane threads run the reads):
 
 1. compute (``ComputeStage``, loop): arms the routing gate for this call and starts
    ``llama_decode`` on the compute thread; the call owns the stage tasks that serve it.
-2. callback (``bmoe.engine.callback.EvalCallback``, compute thread): asked about every graph node;
+2. callback (``bmoe.llama.callback.EvalCallback``, compute thread): asked about every graph node;
    the first 8 bytes of the name say whether it is a MoE node at all. At ``ffn_moe_topk-<il>`` the
    routed ids are read by strides and handed to the gate.
 3. gate (``bmoe.pipeline.gate.RoutingGate``, compute thread): if every routed expert of the layer is

@@ -1,6 +1,6 @@
 """The ``reserved`` open: the cheap user open for models bigger than RAM + swap.
 
-The ``user`` open (``bmoe.engine.loader``) builds the model with ``llama_model_init_from_user`` and
+The ``user`` open (``bmoe.llama.loader``) builds the model with ``llama_model_init_from_user`` and
 reads only the dense bytes, but llama.cpp puts every tensor, experts included, in one CPU buffer
 allocated with ``ggml_aligned_malloc``: one committed allocation as large as the model, which the
 kernel refuses beyond RAM + swap (overcommit heuristic) or beyond the commit limit (strict mode).

@@ -4,7 +4,7 @@ Everything bmoe asks of llama.cpp goes through this module, so a pin bump has on
 (third_party/llama.cpp/SEAM.md lists the contract). Failure codes become LlamaCallError here.
 The model is loaded with ``use_extra_bufts=False``: expert weights must keep the gguf layout,
 because their bytes are read straight from the file into rebound memory. ``LlamaModel`` takes a
-model that ``bmoe.engine.loader.open_model`` opened (``init_from_user`` with only the dense bytes
+model that ``bmoe.llama.loader.open_model`` opened (``init_from_user`` with only the dense bytes
 read, or mmap) and owns it from then on.
 """
 
@@ -23,9 +23,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from bmoe.engine import node_filter as node_filter_module
-from bmoe.engine.callback import EvalCallback
-from bmoe.engine.node_filter import NodeFilter, node_filter
+from bmoe.llama import node_filter as node_filter_module
+from bmoe.llama.callback import EvalCallback
+from bmoe.llama.node_filter import NodeFilter, node_filter
 from bmoe.errors import ConfigError, DecodeAbortedError, LlamaCallError
 
 

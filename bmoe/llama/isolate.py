@@ -13,7 +13,7 @@ check is paid once per file.
 ``BMOE_ISOLATE=0`` turns the check off (the test suite's many tiny models);
 ``BMOE_ISOLATE_TIMEOUT`` sets the time limit in seconds.
 
-Run as ``python -m bmoe.engine.isolate SHARD1``: the child side.
+Run as ``python -m bmoe.llama.isolate SHARD1``: the child side.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def time_limit(layout: ModelLayout) -> float:
 
 def file_key(layout: ModelLayout) -> str:
     """One line naming these exact bytes on this machine, for this llama.cpp."""
-    from bmoe.engine.seam import llama_lib
+    from bmoe.llama.seam import llama_lib
 
     parts = [f"bmoe {__version__}", f"llama_cpp {llama_lib().__version__}"]
     for shard in layout.shards:
@@ -123,7 +123,7 @@ def check_first_open(layout: ModelLayout, *, timeout_s: float | None = None, mem
 def _run_child(layout: ModelLayout, timeout_s: float) -> None:
     path = layout.shards[0]
     env = os.environ | {ENV_SWITCH: "0", "GGML_NO_BACKTRACE": "1"}
-    cmd = [sys.executable, "-m", "bmoe.engine.isolate", str(path)]
+    cmd = [sys.executable, "-m", "bmoe.llama.isolate", str(path)]
     try:
         child = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
@@ -178,9 +178,9 @@ def _child(path: str) -> int:
     """Load the file the cheap way, no validation (the parent did that), decode a few tokens."""
     import numpy as np
 
-    from bmoe.engine.callback import EvalCallback
-    from bmoe.engine.loader import open_model
-    from bmoe.engine.seam import LlamaModel
+    from bmoe.llama.callback import EvalCallback
+    from bmoe.llama.loader import open_model
+    from bmoe.llama.seam import LlamaModel
     from bmoe.errors import BmoeError
     from bmoe.io.layout import read_layout
     from bmoe.io.regions import unmap

@@ -30,7 +30,7 @@ import ctypes
 
 import numpy as np
 
-from bmoe.engine.callback import LeverCallback, _routed_ids
+from bmoe.llama.callback import LeverCallback, _routed_ids
 from bmoe.errors import SeamMismatchError
 from bmoe.io.ggml import GgmlTensor
 from bmoe.io.layout import ModelLayout

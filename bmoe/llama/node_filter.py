@@ -268,7 +268,7 @@ class NodeFilter:
         """Mute the nodes that apply these tensors as no-ops (``ones``: every value 1.0, applied by
         MUL; ``zeros``: 0.0, by ADD; in place, reached through REPEAT / GET_ROWS / views only),
         with the chain that feeds them, whenever ``set_skip`` is on. The user open fills the
-        optional tensors a file lacks this way (``bmoe.engine.loader``): each would otherwise be
+        optional tensors a file lacks this way (``bmoe.llama.loader``): each would otherwise be
         a node and a thread barrier a token that the plain load's graph does not have."""
         self._ones = np.array(sorted(set(ones)), dtype=np.uint64)
         self._zeros = np.array(sorted(set(zeros)), dtype=np.uint64)

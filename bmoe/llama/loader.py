@@ -15,7 +15,7 @@ dense bytes at open. Four open modes:
     (mode 0: one allocation larger than RAM + swap; mode 2: beyond CommitLimit - Committed_AS).
 ``reserved``
     The user open with the expert tensors placed (``tensor_buft_overrides``) in a buffer type of
-    bmoe's own over an uncommitted ``PROT_NONE`` reservation (``bmoe.engine.open_reserved``):
+    bmoe's own over an uncommitted ``PROT_NONE`` reservation (``bmoe.llama.open_reserved``):
     reads the same dense bytes, commits only them, so it opens models bigger than RAM + swap.
     Streamed runs only; ``auto`` picks it where the user allocation would be refused.
 ``mmap``
@@ -73,8 +73,8 @@ from typing import Any
 
 import numpy as np
 
-from bmoe.engine.open_reserved import open_reserved
-from bmoe.engine.seam import forget_llama_errors, llama_lib, model_params
+from bmoe.llama.open_reserved import open_reserved
+from bmoe.llama.seam import forget_llama_errors, llama_lib, model_params
 from bmoe.errors import LlamaCallError, ModelFileError, SeamError, as_bmoe_error
 from bmoe.io.ggml import GGML_MAX_SRC, GgmlTensor, libggml_base
 from bmoe.io.layout import ModelLayout, TensorSpan
@@ -107,7 +107,7 @@ _OUTPUT = "output.weight"
 
 _WHAT = {
     "user": "only dense bytes read",
-    "reserved": "only dense bytes read, experts in a reserved uncommitted buffer (bmoe.engine.open_reserved)",
+    "reserved": "only dense bytes read, experts in a reserved uncommitted buffer (bmoe.llama.open_reserved)",
     "mmap": "plain load, reads the whole file once",
     "mmap-drop": "plain load (reads the whole file once), expert pages dropped after capture",
 }
@@ -320,7 +320,7 @@ def open_model(
 
 
 def _why() -> str:
-    from bmoe.engine.seam import last_llama_error
+    from bmoe.llama.seam import last_llama_error
 
     line = last_llama_error()
     return f": {line}" if line else ""

@@ -1,6 +1,6 @@
 """The eval callback: llama.cpp asks it about every graph node, so it is the hottest code in bmoe.
 
-Where a C compiler is available, a filter in C stands in front of it (``bmoe.engine.node_filter``):
+Where a C compiler is available, a filter in C stands in front of it (``bmoe.llama.node_filter``):
 every other node is answered there and only ``ffn_moe_*`` nodes reach this Python code; in a
 plain streamed run (no mode watching other MoE nodes) only each layer's routing node does, once it
 is computed. Without it, the name test below answers every node, in Python.
@@ -29,8 +29,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from bmoe.engine.expert_major import ExpertMajor, Shapes
-from bmoe.engine.node_filter import NodeFilter
+from bmoe.llama.expert_major import ExpertMajor, Shapes
+from bmoe.llama.node_filter import NodeFilter
 from bmoe.errors import BmoeError, DecodeAbortedError, as_bmoe_error
 from bmoe.io.ggml import NAME_OFFSET, SRC_OFFSET, GgmlTensor
 from bmoe.pipeline.boundary import RoutePredictor, WeightsTap
