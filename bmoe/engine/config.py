@@ -21,10 +21,14 @@ Mode = Literal["stream", "resident"]
 OpenMode = Literal["auto", "user", "reserved", "mmap", "mmap-drop"]
 DensePolicy = Literal["mmap", "anon"]
 Prefill = Literal["auto", "batch", "token", "micro", "expert"]
+Draft = Literal["none", "ngram"]
 MODES: tuple[str, ...] = get_args(Mode)
 OPEN_MODES: tuple[str, ...] = get_args(OpenMode)
 DENSE_POLICIES: tuple[str, ...] = get_args(DensePolicy)
 PREFILLS: tuple[str, ...] = get_args(Prefill)
+DRAFTS: tuple[str, ...] = get_args(Draft)
+MAX_PARALLEL = 64  # sequences one context holds at most (llama.cpp's LLAMA_MAX_SEQ is 256)
+MAX_DRAFT = 16  # draft tokens verified in one step at most
 MiB = 1 << 20
 MAX_CTX = 1 << 20  # the largest context a run may ask for
 
@@ -70,7 +74,7 @@ class RunConfig:
     # With a profile: read its most used experts into the cache's free room in the background,
     # from the first generation on (real reads always first); lossless (bmoe.stages.prefetch).
     prewarm: bool = False
-    # How the model is opened when streaming (bmoe.engine.loader): auto picks the cheapest that works.
+    # How the model is opened when streaming (bmoe.llama.loader): auto picks the cheapest that works.
     open_mode: OpenMode = "auto"
     # Dense weights: stay in llama.cpp's file mapping, or copied into anonymous memory ("anon").
     dense_weights: DensePolicy = "mmap"
@@ -104,13 +108,25 @@ class RunConfig:
     # Top-K experts per token instead of the file's own k (1..k, checked against the file at open).
     n_expert_used: int | None = None
     # Drop a routed expert that is a cache miss and weighs less than F x (1/k) of the layer's routed
-    # mass (never the top one; bmoe.engine.drop_cold). None = off; 0.0 runs the machinery, drops nothing.
+    # mass (never the top one; bmoe.llama.drop_cold). None = off; 0.0 runs the machinery, drops nothing.
     drop_cold_experts: float | None = None
     drop_renorm: bool = True  # survivors scaled back to the original routed mass
     drop_prefill: bool = False  # also drop during prefill (decode only by default)
     # Route MoE layer L from the hidden state N MoE layers earlier, its experts read N layers ahead
-    # (bmoe.engine.route_ahead). None = off; 0 installs the machinery as a passthrough.
+    # (bmoe.llama.route_ahead). None = off; 0 installs the machinery as a passthrough.
     route_ahead: int | None = None
+    # Sequences decoded together (bmoe.engine.scheduler): up to this many generations share each
+    # llama_decode, one token of each, so one read of an expert serves every sequence routed to it.
+    # The context's cells are split evenly between them (llama.cpp's n_seq_max). 1: one generation
+    # at a time, as before.
+    parallel: int = 1
+    # Speculative decoding: "ngram" drafts from the context's own repeated n-grams (prompt lookup),
+    # verified in one step; greedy and seeded draws are kept exactly (bmoe.engine.drafts).
+    draft: Draft = "none"
+    draft_max: int = 8  # the longest draft one step verifies (the length adapts below it)
+    # A test aid: the read lanes land at most this many MiB/s (a token bucket in front of the reads;
+    # bmoe bench --disk-limit emulates a slower disk with it). None: no limit.
+    disk_limit_mib_s: float | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -164,7 +180,10 @@ class RunConfig:
             raise ConfigError("overlap applies to streamed runs: use mode='stream'")
         if self.eval_filter and self.mode != "resident":
             raise ConfigError("eval_filter measures the callback alone and needs mode='resident'")
+        if self.disk_limit_mib_s is not None and not (math.isfinite(self.disk_limit_mib_s) and self.disk_limit_mib_s > 0):
+            raise ConfigError(f"disk_limit_mib_s must be a positive number of MiB/s, got {self.disk_limit_mib_s}")
         self._check_lossy()
+        self._check_steps()
 
     def _check_types(self) -> None:
         """Each field holds its annotated type: ``odirect="no"`` would otherwise be true, and a
@@ -215,6 +234,32 @@ class RunConfig:
                                   "predict_prompt")
             if f is not None:
                 raise ConfigError("route_ahead and drop_cold_experts both rewrite the routing: pick one")
+
+    def _check_steps(self) -> None:
+        """Many tokens per decode step (sequences decoded together, drafts verified): the modes that
+        assume one sequence's token per step are refused here, never silently off."""
+        if not 1 <= self.parallel <= MAX_PARALLEL:
+            raise ConfigError(f"parallel must be 1..{MAX_PARALLEL} sequences, got {self.parallel}")
+        if self.draft not in DRAFTS:
+            raise ConfigError(f"draft must be one of {', '.join(DRAFTS)}, got {self.draft!r}")
+        if not 1 <= self.draft_max <= MAX_DRAFT:
+            raise ConfigError(f"draft_max must be 1..{MAX_DRAFT} tokens, got {self.draft_max}")
+        if self.parallel > 1 and self.n_ctx // self.parallel < 16:
+            raise ConfigError(f"n_ctx {self.n_ctx} split between {self.parallel} sequences leaves fewer than 16 "
+                              "tokens each: raise n_ctx or lower parallel")
+        if self.stepped:
+            what = "parallel > 1" if self.parallel > 1 else f"draft {self.draft!r}"
+            for name, on in (("route_trace", self.route_trace is not None), ("predict_prefetch", self.predict_prefetch),
+                             ("drop_cold_experts", self.drop_cold_experts is not None),
+                             ("route_ahead", self.route_ahead is not None)):
+                if on:
+                    raise ConfigError(f"{name} assumes one sequence's token per decode step: not with {what}")
+
+    @property
+    def stepped(self) -> bool:
+        """Whether generations run through the step scheduler (many sequences or drafts) rather than
+        one at a time, token by token."""
+        return self.parallel > 1 or self.draft != "none"
 
     @property
     def predicts_prompts(self) -> bool:
