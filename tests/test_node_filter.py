@@ -304,3 +304,45 @@ def test_a_filter_that_could_not_be_built_is_a_warning(tiny: TinyModels, monkeyp
     monkeypatch.setenv("BMOE_NODE_FILTER", "python")  # asked for: no warning
     with Session.open(path, EVICTING) as s:
         assert not any("node filter" in w for w in s.warnings), s.warnings
+
+
+def _built() -> ctypes.CDLL:
+    if node_filter.node_filter(node_filter.EvalFn(lambda *_: False)) is None:
+        pytest.skip(f"no C filter here: {node_filter.unavailable}")
+    assert node_filter._loaded is not None
+    return node_filter._loaded
+
+
+@pytest.mark.pure
+def test_the_c_structs_layout_matches_its_ctypes_mirror() -> None:
+    """The compiled struct's size and every field's offset and size, as the C compiler laid them
+    out, equal the mirror's: checked at every open, before a field is written."""
+    node_filter.check_layout(_built())
+
+
+class _Moved(ctypes.Structure):  # the mirror with two int32 fields swapped for one int64: offsets shift
+    _fields_ = [(n, t) if n != "n_layers" else ("n_layers", ctypes.c_int64)
+                for n, t in node_filter._FilterData._fields_ if n != "n_expert"]
+
+
+class _Short(ctypes.Structure):  # the last field dropped: the mirror is 8 bytes short
+    _fields_ = node_filter._FilterData._fields_[:-1]
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize(("mirror", "says"), [
+    (_Moved, "the C side has n_layers: 4 bytes at offset 40, the mirror n_layers: 8 bytes at offset 40"),
+    (_Short, "the C side has the struct: 168 bytes, the mirror the struct: 160 bytes"),
+])
+def test_a_wrong_mirror_is_refused_in_one_line(mirror: type, says: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: a mirror that disagrees with the C struct is one SeamMismatchError, at
+    the open (``node_filter``), never a callback that writes the wrong bytes."""
+    from bmoe.errors import SeamMismatchError
+
+    lib = _built()
+    with pytest.raises(SeamMismatchError) as err:
+        node_filter.check_layout(lib, mirror)
+    assert says in str(err.value) and "\n" not in str(err.value)
+    monkeypatch.setattr(node_filter.check_layout, "__defaults__", (mirror,))
+    with pytest.raises(SeamMismatchError):
+        node_filter.node_filter(node_filter.EvalFn(lambda *_: False))

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bmoe.errors import SeamMismatchError
 from bmoe.io.ggml import DATA_OFFSET, NAME_OFFSET, NE_OFFSET, OP_OFFSET, SRC_OFFSET
 from bmoe.io.ggml_ffn import op_code
 from bmoe.io.probe import cache_dir
@@ -46,6 +47,7 @@ from bmoe.pipeline.boundary import FastHit, UnseenHits
 
 _SOURCE = r"""
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -85,6 +87,33 @@ struct bmoe_node_filter {
     uint64_t also_mask;
     uint64_t also;
 };
+
+/* The struct's layout as this compiler laid it out, for Python to compare with its ctypes mirror
+   before it writes a single field (``check_layout``): every field's name, offset and size, in
+   order, written by hand beside the struct, and the struct's size. Returns the field count. */
+#define BMOE_FIELD(m) {#m, offsetof(struct bmoe_node_filter, m), sizeof(((struct bmoe_node_filter *) 0)->m)}
+static const struct { const char * name; int64_t offset, size; } bmoe_fields[] = {
+    BMOE_FIELD(inner), BMOE_FIELD(prefix), BMOE_FIELD(tail_mask), BMOE_FIELD(tail), BMOE_FIELD(resident),
+    BMOE_FIELD(n_layers), BMOE_FIELD(n_expert), BMOE_FIELD(fast), BMOE_FIELD(log_len), BMOE_FIELD(log_cap),
+    BMOE_FIELD(pad), BMOE_FIELD(log), BMOE_FIELD(ones), BMOE_FIELD(zeros), BMOE_FIELD(n_ones), BMOE_FIELD(n_zeros),
+    BMOE_FIELD(skip), BMOE_FIELD(op_mul), BMOE_FIELD(op_add), BMOE_FIELD(op_none), BMOE_FIELD(op_repeat),
+    BMOE_FIELD(op_rows), BMOE_FIELD(op_reshape), BMOE_FIELD(op_view), BMOE_FIELD(skipped), BMOE_FIELD(unseen),
+    BMOE_FIELD(pad2), BMOE_FIELD(unseen_hits), BMOE_FIELD(also_mask), BMOE_FIELD(also),
+};
+
+int32_t bmoe_node_filter_layout(int32_t i, const char ** name, int64_t * offset, int64_t * size) {
+    int32_t n = (int32_t) (sizeof bmoe_fields / sizeof *bmoe_fields);
+    if (i < 0) {  /* the struct itself */
+        *name = "struct bmoe_node_filter";
+        *offset = 0;
+        *size = (int64_t) sizeof(struct bmoe_node_filter);
+    } else if (i < n) {
+        *name = bmoe_fields[i].name;
+        *offset = bmoe_fields[i].offset;
+        *size = bmoe_fields[i].size;
+    }
+    return n;
+}
 
 static int bmoe_in(const uint64_t * set, int32_t n, uint64_t p) {
     int32_t lo = 0, hi = n - 1;
@@ -225,6 +254,38 @@ class _FilterData(ctypes.Structure):
                 ("unseen_hits", ctypes.c_int64), ("also_mask", ctypes.c_uint64), ("also", ctypes.c_uint64)]
 
 
+def check_layout(lib: ctypes.CDLL, mirror: type[ctypes.Structure] = _FilterData) -> None:
+    """Refuse a ctypes mirror that does not lay the struct out as the compiled C does (a field
+    added, moved or resized on one side only): one ``SeamMismatchError`` line, before any field
+    is written, never a read of the wrong bytes on the compute thread."""
+    fn = lib.bmoe_node_filter_layout
+    fn.restype = ctypes.c_int32
+    fn.argtypes = [ctypes.c_int32, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_int64),
+                   ctypes.POINTER(ctypes.c_int64)]
+    name, offset, size = ctypes.c_char_p(), ctypes.c_int64(), ctypes.c_int64()
+
+    def entry(i: int) -> tuple[str, int, int]:
+        fn(i, ctypes.byref(name), ctypes.byref(offset), ctypes.byref(size))
+        return (name.value or b"").decode(), offset.value, size.value
+
+    n = fn(-1, ctypes.byref(name), ctypes.byref(offset), ctypes.byref(size))
+    c_side = [("the struct", 0, size.value), *(entry(i) for i in range(n))]
+    ours = [("the struct", 0, ctypes.sizeof(mirror)),
+            *((f, getattr(mirror, f).offset, getattr(mirror, f).size) for f, *_ in mirror._fields_)]
+    for i in range(max(len(c_side), len(ours))):
+        c, m = (side[i] if i < len(side) else None for side in (c_side, ours))
+        if c != m:
+            raise SeamMismatchError(f"the C node filter's struct and its ctypes mirror disagree: the C side has "
+                                    f"{_field(c)}, the mirror {_field(m)}")
+
+
+def _field(entry: tuple[str, int, int] | None) -> str:
+    if entry is None:
+        return "no field there"
+    name, offset, size = entry
+    return f"{name}: {size} bytes" + (f" at offset {offset}" if name != "the struct" else "")
+
+
 class NodeFilter:
     """The C function and its data for one callback; keep it alive as long as the context."""
 
@@ -359,6 +420,7 @@ def node_filter(inner: EvalFn) -> NodeFilter | None:
         if _loaded is None:
             unavailable = _failed
             return None
+    check_layout(_loaded)
     unavailable = None
     return NodeFilter(_loaded, inner)
 
