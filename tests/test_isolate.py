@@ -26,7 +26,8 @@ def isolation_on(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 
 def _edited(src: Path, dst: Path, key: str, value: float) -> Path:
-    shutil.copy(src, dst)
+    if src != dst:
+        shutil.copy(src, dst)
     reader = GGUFReader(dst, "r+")
     field = reader.fields[key]
     field.parts[field.data[0]][0] = value
@@ -44,7 +45,48 @@ def test_a_good_file_is_checked_once_and_again_when_it_changes(tiny, tmp_path: P
     assert memo.read_text().count("\n") == 1
     st = path.stat()
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
-    assert isolate.check_first_open(layout, memo=memo) is True  # new mtime: new bytes, new check
+    assert isolate.check_first_open(layout, memo=memo) is False  # touched only: the same header
+    _edited(path, path, "qwen3moe.context_length", 1024)
+    assert isolate.check_first_open(read_layout(path), memo=memo) is True  # new header: new check
+
+
+def test_a_file_rewritten_in_place_with_its_mtime_set_back_is_checked_again(tiny, tmp_path: Path) -> None:
+    """The memo was keyed on device, inode, size and mtime: a value llama.cpp aborts on, written
+    into a file that had passed (same size, same inode) with its mtime restored, kept the old
+    verdict, and the user's process loaded it and died of SIGABRT. The key is the header's digest."""
+    path = tmp_path / "m.gguf"
+    shutil.copy(tiny.path(TinySpec()), path)
+    memo = tmp_path / "memo.txt"
+    assert isolate.check_first_open(read_layout(path), memo=memo) is True
+    before = path.stat()
+    reader = GGUFReader(path, "r+")
+    field = reader.fields["qwen3moe.attention.layer_norm_rms_epsilon"]
+    field.parts[field.data[0]][0] = float("nan")  # in place: same bytes count, same inode
+    del reader
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_dev, after.st_ino, after.st_size, after.st_mtime_ns) == (
+        before.st_dev, before.st_ino, before.st_size, before.st_mtime_ns)  # what the old key saw: no change
+    with pytest.raises(ModelFileError, match=r"SIGABRT.*eps >= 0\.0f"):  # the child ran again, and died
+        isolate.check_first_open(read_layout(path), memo=memo)
+    assert memo.read_text().count("\n") == 1  # the failed bytes are not remembered
+
+
+def test_the_memo_key_follows_the_header_not_the_path(tiny, tmp_path: Path) -> None:
+    """A copy of a checked file is the same header: no second check. A tensor's data changed is
+    not llama.cpp's business at load: the same key too. Negative control: a header byte changed."""
+    src = tiny.path(TinySpec())
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    shutil.copy(src, a)
+    shutil.copy(src, b)
+    layout = read_layout(a)
+    span = next(iter(layout.tensors.values()))
+    with b.open("r+b") as f:
+        f.seek(span.offset)
+        f.write(b"\x01\x02\x03\x04")
+    assert isolate.file_key(read_layout(a)) == isolate.file_key(read_layout(b))
+    _edited(src, b, "qwen3moe.context_length", 1024)
+    assert isolate.file_key(read_layout(a)) != isolate.file_key(read_layout(b))
 
 
 def test_a_child_that_aborts_becomes_one_error_with_the_assertion(tiny, tmp_path: Path) -> None:

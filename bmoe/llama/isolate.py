@@ -7,8 +7,10 @@ decode forever. So before a process loads a file it has not seen, a child loads 
 (the dense bytes only, where memory allows) and decodes a few tokens. A child killed by a signal
 or still busy at the time limit becomes one line naming llama.cpp's own assertion (or the time
 limit), and the parent never loads the file. Files that passed are remembered in the user cache
-directory, keyed by device, inode, size and mtime of every shard and by the llama.cpp pin, so the
-check is paid once per file.
+directory, keyed by a digest of every shard's header (metadata and tensor index: all llama.cpp
+sizes its work from) and size, and by the llama.cpp pin, so the check is paid once per file. Not by
+inode and mtime: a file rewritten in place with its mtime set back kept the verdict of the bytes
+it replaced, and a value llama.cpp aborts on was then loaded in the user's process.
 
 ``BMOE_ISOLATE=0`` turns the check off (the test suite's many tiny models);
 ``BMOE_ISOLATE_TIMEOUT`` sets the time limit in seconds.
@@ -18,6 +20,7 @@ Run as ``python -m bmoe.llama.isolate SHARD1``: the child side.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import signal
@@ -63,14 +66,36 @@ def time_limit(layout: ModelLayout) -> float:
 
 
 def file_key(layout: ModelLayout) -> str:
-    """One line naming these exact bytes on this machine, for this llama.cpp."""
+    """One line naming this file's header bytes and sizes, for this llama.cpp."""
     from bmoe.llama.seam import llama_lib
 
-    parts = [f"bmoe {__version__}", f"llama_cpp {llama_lib().__version__}"]
-    for shard in layout.shards:
-        st = os.stat(shard)
-        parts.append(f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}")
-    return " ".join(parts)
+    return f"bmoe {__version__} llama_cpp {llama_lib().__version__} {header_digest(layout)}"
+
+
+def header_digest(layout: ModelLayout) -> str:
+    """SHA-256 of every shard's bytes up to its first tensor's data (the whole shard when it holds
+    none), with its size: what the open parsed, read again (a few MiB at most for a big
+    vocabulary). The tensor data is not read: llama.cpp sizes and checks nothing from it."""
+    h = hashlib.sha256()
+    for i, shard in enumerate(layout.shards):
+        starts = [s.offset for s in layout.tensors.values() if s.shard == i]
+        fd = os.open(shard, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            end = min(min(starts, default=size), size)
+            h.update(f"shard {i} size {size} header {end}\n".encode())
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead into tensor data
+            pos = 0
+            while pos < end:
+                chunk = os.pread(fd, min(1 << 20, end - pos), pos)
+                if not chunk:
+                    break  # shrunk since the open read it: the digest differs, a new check runs
+                h.update(chunk)
+                pos += len(chunk)
+            os.posix_fadvise(fd, 0, end, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return h.hexdigest()
 
 
 def memo_path() -> Path:
