@@ -14,7 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from bmoe.bench import harness
+from bmoe.bench import harness, side
+from bmoe.bench.child import squeezed_generation
+from bmoe.bench.options import SQUEEZE_TOKENS_CAP, BenchOptions
+from bmoe.bench.plan import Run, plan_runs
 from bmoe.bench.balloon import Balloon, GiB, MiB, has_cap_ipc_lock, plan_balloon
 from bmoe.errors import BudgetError, ConfigError
 from bmoe.synth.tiny import TinySpec, write_tiny
@@ -40,20 +43,30 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny(tmp_path_factory.mktemp("bench") / "tiny.gguf", TinySpec())[0]
 
 
+class Spy(Balloon):
+    """A balloon that records its pid in ``pids`` when it inflates."""
+
+    pids: list[int]
+
+    def inflate(self) -> Balloon:
+        out = super().inflate()
+        assert self.pid is not None
+        self.pids.append(self.pid)
+        return out
+
+
 @pytest.fixture
-def spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Pids of every balloon the harness inflates."""
-    pids: list[int] = []
+def spy() -> list[int]:
+    """Pids of every balloon the harness inflates (through ``host(..., spy=spy)``)."""
+    return []
 
-    class Spy(Balloon):
-        def inflate(self) -> Balloon:
-            out = super().inflate()
-            assert self.pid is not None
-            pids.append(self.pid)
-            return out
 
-    monkeypatch.setattr(harness, "Balloon", Spy)
-    return pids
+def host(available: int, spy: list[int] | None = None, execute: object = None) -> harness.Host:
+    """The machine as the bench sees it: ``available`` bytes of memory and no cgroup limit; a
+    balloon that records its pid in ``spy``; ``execute`` in place of running each side."""
+    balloon = type("Recorded", (Spy,), {"pids": spy if spy is not None else []})
+    return harness.Host(meminfo=lambda: {"MemTotal": 24 * GiB, "MemAvailable": available}, cgroup_room=lambda: None,
+                        balloon=balloon, **({"execute": execute} if execute is not None else {}))
 
 
 def limit_of(model_path: Path) -> float:
@@ -61,11 +74,6 @@ def limit_of(model_path: Path) -> float:
     from bmoe.io.validate import open_layout
 
     return (open_layout(model_path).dense_bytes + GiB + MiB) / GiB
-
-
-def inject_memory(monkeypatch: pytest.MonkeyPatch, available: int) -> None:
-    monkeypatch.setattr(harness, "meminfo_reader", lambda: {"MemTotal": 24 * GiB, "MemAvailable": available})
-    monkeypatch.setattr(harness, "cgroup_room", lambda: None)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -94,15 +102,15 @@ def wait_gone(pid: int, seconds: float = 10.0) -> bool:
 
 
 @needs_lock
-def test_bench_json_and_files_under_a_ram_limit(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                capsys: pytest.CaptureFixture[str], spy: list[int]) -> None:
+def test_bench_json_and_files_under_a_ram_limit(model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                spy: list[int]) -> None:
     limit = limit_of(model)
-    inject_memory(monkeypatch, int(limit * GiB) + LOCK)  # so the balloon locks a real 64 MiB
+    machine = host(int(limit * GiB) + LOCK, spy)  # so the balloon locks a real 64 MiB
     out = tmp_path / "report"
     args = parse([str(model), "--tokens", "6", "--warmup", "2", "-t", "1", "--ram-limit", str(limit), "--json",
                   "--out", str(out), "--plot", str(tmp_path / "p.png"), "--budgets", "1,4", "--squeeze", "0.03125",
                   "--ttft", "5,50", "--stock-timeout", "600"])
-    assert args.func(args) == 0
+    assert harness.run_bench_command(args, machine) == 0
     result = json.loads(capsys.readouterr().out)
 
     for key in KEYS:
@@ -169,40 +177,35 @@ def test_bench_json_and_files_under_a_ram_limit(model: Path, tmp_path: Path, mon
 
 
 @needs_lock
-def test_balloon_released_when_the_harness_raises(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                  spy: list[int]) -> None:
+def test_balloon_released_when_the_harness_raises(model: Path, tmp_path: Path, spy: list[int]) -> None:
     limit = limit_of(model)
-    inject_memory(monkeypatch, int(limit * GiB) + LOCK)
     seen: list[bool] = []
 
     def boom(*_a: object) -> None:
         seen.append(not gone(spy[0]))  # the balloon stands while configurations run
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(harness, "execute", boom)
     args = parse([str(model), "--tokens", "4", "--ram-limit", str(limit), "--out", str(tmp_path)])
     with pytest.raises(RuntimeError, match="injected"):
-        args.func(args)
+        harness.run_bench_command(args, host(int(limit * GiB) + LOCK, spy, execute=boom))
     assert seen == [True]
     assert len(spy) == 1 and wait_gone(spy[0])
 
 
-def test_unmeasured_figures_are_null_with_reasons(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def test_unmeasured_figures_are_null_with_reasons(model: Path, tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     """No memory to speak of: everything but the cache-off runs is skipped; and the mmap run fails."""
-    inject_memory(monkeypatch, 64 * MiB)
 
-    def fake(run: harness.Run, *_a: object) -> None:
+    def fake(run: Run, *_a: object) -> side.Outcome:
         if run.kind == "mmap" or run.id == "mmap_norepack":
-            run.error = "child killed by signal 9 (out of memory?)"
-            return
-        run.result = {"tokens": [1, 2, 3, 4], "open_s": 0.1, "peak_rss_bytes": 50 * MiB, "disk_read_bytes": MiB,
-                      "io_mode": "odirect", "stats": {"mode": "stream", "generated_tokens": 4, "tok_per_s": 5.0,
-                                                      "read_mib_per_s": 40.0, "cache_hit_pct": 0.0}}
+            return side.Outcome(error="child killed by signal 9 (out of memory?)")
+        return side.Outcome(result={
+            "tokens": [1, 2, 3, 4], "open_s": 0.1, "peak_rss_bytes": 50 * MiB, "disk_read_bytes": MiB,
+            "io_mode": "odirect", "stats": {"mode": "stream", "generated_tokens": 4, "tok_per_s": 5.0,
+                                            "read_mib_per_s": 40.0, "cache_hit_pct": 0.0}})
 
-    monkeypatch.setattr(harness, "execute", fake)
     args = parse([str(model), "--tokens", "4", "--json", "--out", str(tmp_path)])
-    assert args.func(args) == 0
+    assert harness.run_bench_command(args, host(64 * MiB, execute=fake)) == 0
     result = json.loads(capsys.readouterr().out)
     rows = {r["id"]: r for r in result["runs"]}
     assert rows["resident"]["status"] == "skipped" and "exceed" in rows["resident"]["notes"]
@@ -239,11 +242,11 @@ def test_balloon_plan_bounds() -> None:
 
 def test_bad_options_are_config_errors(model: Path) -> None:
     with pytest.raises(ConfigError, match="tokens"):
-        harness.BenchOptions(model, tokens=1).validate()
+        BenchOptions(model, tokens=1).validate()
     with pytest.raises(ConfigError, match="io-threads"):
-        harness.BenchOptions(model, io_threads=0).validate()
+        BenchOptions(model, io_threads=0).validate()
     with pytest.raises(ConfigError, match="context of 100000256 tokens"):  # was found after every run, by each
-        harness.BenchOptions(model, ttft_lengths=(99999999,)).validate()
+        BenchOptions(model, ttft_lengths=(99999999,)).validate()
 
 
 @pytest.mark.parametrize("flag,value", [("--ram-limit", "nan"), ("--ram-limit", "inf"), ("--squeeze", "1e300"),
@@ -263,9 +266,9 @@ def test_a_squeeze_larger_than_the_room_left_is_skipped_with_its_reason(model: P
 
     layout = SimpleNamespace(dense_bytes=512 * MiB, expert_bytes=4 * GiB, file_bytes=4 * GiB + 512 * MiB,
                              expert_bytes_per_token=lambda: 64 * MiB)
-    plan = {r.id: r for r in harness.plan_runs(layout, harness.BenchOptions(model, squeeze_bytes=5 * GiB), 3 * GiB)}
+    plan = {r.id: r for r in plan_runs(layout, BenchOptions(model, squeeze_bytes=5 * GiB), 3 * GiB)}
     assert plan["squeeze"].skip is not None and "--squeeze 5.00 GiB is more than" in plan["squeeze"].skip
-    fits = {r.id: r for r in harness.plan_runs(layout, harness.BenchOptions(model, squeeze_bytes=GiB), 3 * GiB)}
+    fits = {r.id: r for r in plan_runs(layout, BenchOptions(model, squeeze_bytes=GiB), 3 * GiB)}
     assert fits["squeeze"].skip is None
 
 
@@ -319,8 +322,7 @@ def test_balloon_refusal_is_a_budget_error() -> None:
         (proc.returncode, proc.stdout, proc.stderr)
 
 
-def test_a_child_timed_out_after_its_measured_generation_keeps_it(model: Path, tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_child_timed_out_after_its_measured_generation_keeps_it(model: Path, tmp_path: Path) -> None:
     """The time-to-first-token prompts run after the measured generation: a timeout there keeps the
     generation's figures and says what is missing; a timeout before it is the row's error."""
     partial = {"tokens": [1, 2], "stats": {"mode": "stream", "tok_per_s": 2.0}, "warnings": [],
@@ -331,11 +333,9 @@ def test_a_child_timed_out_after_its_measured_generation_keeps_it(model: Path, t
             Path(cmd[-1]).write_text(json.dumps(partial))
         raise subprocess.TimeoutExpired(cmd, 5.0)
 
-    monkeypatch.setattr(harness.subprocess, "run", fake_run)
-    opts = harness.BenchOptions(model=model, timeout_s=5.0)
+    opts = BenchOptions(model=model, timeout_s=5.0)
     for write in (True, False):
-        run = harness.Run("stream_auto", "auto", "bmoe", {})
-        harness.execute(run, model, opts, tmp_path)
+        run = side.execute(Run("stream_auto", "auto", "bmoe", {}), model, opts, tmp_path, spawn=fake_run)
         if write:
             assert run.error is None and run.result is not None and run.result["tokens"] == [1, 2]
             assert "partial" not in run.result and run.result["warnings"] == [
@@ -344,13 +344,11 @@ def test_a_child_timed_out_after_its_measured_generation_keeps_it(model: Path, t
             assert run.result is None and run.error == "timed out after 5 s"
 
 
-def test_squeeze_reads_the_stats_of_a_closed_generation(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_squeeze_reads_the_stats_of_a_closed_generation() -> None:
     """The squeezed generation stops early (a break out of ``Session.stream``): the stream must be
     closed before its stats are read, or the budget at the end and its changes are still unset."""
     import asyncio
     from types import SimpleNamespace
-
-    from bmoe.bench import balloon as balloon_mod
 
     class FakeBalloon:
         inflate_s, lock = 0.5, False
@@ -380,11 +378,9 @@ def test_squeeze_reads_the_stats_of_a_closed_generation(monkeypatch: pytest.Monk
             finally:  # as Session.stream: the stats are finished when the generator closes
                 stats.budget_bytes_end, stats.budget_changes = 60 * MiB, [{"old": 100 * MiB, "new": 60 * MiB}]
 
-    monkeypatch.setattr(balloon_mod, "Balloon", FakeBalloon)
-    monkeypatch.setattr(balloon_mod, "has_cap_ipc_lock", lambda: False)
-    tokens, sq = asyncio.run(harness._squeezed_generation(FakeSession(), {"tokens": 8, "squeeze_bytes": GiB,
-                                                                          "prompt": "p"}))
-    assert len(tokens) < harness.SQUEEZE_TOKENS_CAP * 8, "it stopped early: the case under test"
+    spec = {"tokens": 8, "squeeze_bytes": GiB, "prompt": "p"}
+    tokens, sq = asyncio.run(squeezed_generation(FakeSession(), spec, balloon=FakeBalloon(GiB)))
+    assert len(tokens) < SQUEEZE_TOKENS_CAP * 8, "it stopped early: the case under test"
     assert sq["budget_bytes_after"] == 60 * MiB and sq["budget_changes"] == [{"old": 100 * MiB, "new": 60 * MiB}]
 
 
