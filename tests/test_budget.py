@@ -13,6 +13,7 @@ from bmoe.engine.session import Session
 from bmoe.errors import BudgetError
 from bmoe.pipeline.budget import (
     INTERPRETER_GROWTH,
+    Memory,
     MiB,
     Needs,
     SmapsTotals,
@@ -157,8 +158,7 @@ def test_session_refuses_a_budget_that_cannot_fit_and_runs_it_forced(tiny, monke
     import bmoe.engine.streaming as streaming
 
     path = tiny.path(TinySpec(n_embd=256, n_ff=256, n_layer=3))
-    total = {"MemTotal": 16 * GiB}
-    monkeypatch.setattr(streaming, "read_meminfo", lambda: total | {"MemAvailable": 600 * MiB})
+    monkeypatch.setattr(streaming, "read_memory", lambda: Memory(16 * GiB, 600 * MiB, "MemAvailable"))
     cfg = RunConfig(mode="stream", n_ctx=256, cache_bytes=8 * MiB)
     with pytest.raises(BudgetError, match=r"a 8 MiB cache does not fit in memory: 0 MiB would"):
         Session.open(path, cfg)
@@ -166,7 +166,7 @@ def test_session_refuses_a_budget_that_cannot_fit_and_runs_it_forced(tiny, monke
         assert s.budget_bytes == 8 * MiB and any("forced" in w for w in s.warnings)
     with Session.open(path, RunConfig(mode="stream", n_ctx=256, cache_bytes=None)) as s:
         assert s.budget_bytes == 0 and "= 0 MiB" in s.budget_how, "auto on a full machine: cache off"
-    monkeypatch.setattr(streaming, "read_meminfo", lambda: total | {"MemAvailable": 8 * GiB})
+    monkeypatch.setattr(streaming, "read_memory", lambda: Memory(16 * GiB, 8 * GiB, "MemAvailable"))
     with Session.open(path, cfg) as s:
         assert s.budget_bytes == 8 * MiB and "KV + compute buffers" not in s.budget_how
     with Session.open(path, RunConfig(mode="stream", n_ctx=256, cache_bytes=None)) as s:
@@ -196,8 +196,8 @@ def test_a_live_auto_guard_grows_past_the_open_budget_and_a_fixed_one_does_not(t
         bank = s.layout.expert_bytes
     needs = Needs(dense=0, buffers=4 * MiB, code=0, transient=MiB, interpreter=0, margin=0)
     monkeypatch.setattr(streaming, "measure_needs", lambda *a, **k: needs)
-    monkeypatch.setattr(streaming, "read_meminfo",
-                        lambda: {"MemTotal": 16 * GiB, "MemAvailable": needs.buffers + bank // 2})
+    monkeypatch.setattr(streaming, "read_memory",
+                        lambda: Memory(16 * GiB, needs.buffers + bank // 2, "MemAvailable"))
     with Session.open(path, RunConfig(mode="stream", n_ctx=256, cache_bytes=None)) as s:
         assert s.budget_bytes == bank // 2
         assert s.pressure_guard.ceiling == bank // 2 + needs.buffers
@@ -223,3 +223,47 @@ def test_where_expert_major_can_run_the_budget_makes_room_for_one_tokens_experts
     grouped, entry, k, n = union_mib("auto")
     batch, *_ = union_mib("batch")
     assert grouped == pytest.approx(k * entry / MiB, abs=0.06) and batch == pytest.approx(n * entry / MiB, abs=0.06)
+
+
+# --- the memory figure: the host's, or the container's ---------------------------------------
+
+
+def _meminfo(tmp_path, total_mib: int, avail_mib: int):  # noqa: ANN001, ANN202
+    p = tmp_path / "meminfo"
+    p.write_text(f"MemTotal: {total_mib * 1024} kB\nMemFree: 1 kB\nMemAvailable: {avail_mib * 1024} kB\n")
+    return str(p)
+
+
+@pytest.mark.pure
+def test_auto_in_a_container_sizes_from_the_cgroup_limit_not_the_host(tmp_path) -> None:  # noqa: ANN001
+    """Issue 39: under a 1,100 MiB cgroup limit on a 24 GiB host, auto planned 20,665 MiB."""
+    from bmoe.pipeline.budget import read_memory
+    from bmoe.pipeline.cgroup import CgroupMemory
+
+    host = _meminfo(tmp_path, 24 * 1024, 20 * 1024)
+    limited = CgroupMemory(limit=1100 * MiB, usage=200 * MiB, file_pages=100 * MiB, what="memory.max", oom_kills=0)
+    mem = read_memory(host, cgroup=lambda: limited)
+    assert (mem.total, mem.available) == (1100 * MiB, 1000 * MiB)
+    assert "container" in mem.how and "memory.max 1100 MiB" in mem.how
+    needs = Needs(dense=100 * MiB, buffers=50 * MiB, code=30 * MiB, transient=10 * MiB,
+                  interpreter=INTERPRETER_GROWTH, margin=margin_bytes(mem.total))
+    b = resolve_budget(None, ceiling=None, mem_available=mem.available, needs=needs, expert_bank_bytes=16 * GiB,
+                       working_set_bytes=1, source=mem.how)
+    assert b.bytes == 1000 * MiB - needs.total < 1100 * MiB
+    assert "in the container" in b.how
+    # Negative control: the host's figures alone, as before, plan tens of GiB.
+    host_only = read_memory(host, cgroup=lambda: None)
+    assert (host_only.total, host_only.available, host_only.how) == (24 * GiB, 20 * GiB, "MemAvailable")
+    b = resolve_budget(None, ceiling=None, mem_available=host_only.available, needs=needs,
+                       expert_bank_bytes=16 * GiB, working_set_bytes=1)
+    assert b.bytes == 16 * GiB
+
+
+@pytest.mark.pure
+def test_a_roomy_container_leaves_the_host_figure(tmp_path) -> None:  # noqa: ANN001
+    from bmoe.pipeline.budget import read_memory
+    from bmoe.pipeline.cgroup import CgroupMemory
+
+    roomy = CgroupMemory(limit=64 * GiB, usage=1 * GiB, file_pages=0, what="memory.max", oom_kills=None)
+    mem = read_memory(_meminfo(tmp_path, 24 * 1024, 20 * 1024), cgroup=lambda: roomy)
+    assert (mem.total, mem.available) == (24 * GiB, 20 * GiB) and mem.how.startswith("MemAvailable")

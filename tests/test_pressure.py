@@ -263,3 +263,20 @@ def test_an_idle_session_gives_memory_back_when_asked_and_the_next_generation_is
 
     first, second = asyncio.run(go())
     assert first == second == tiny.resident_tokens(path)[:N_TOKENS]
+
+
+@pytest.mark.pure
+def test_the_live_sample_takes_the_containers_room_and_stalls() -> None:
+    """Issue 39: the guard read the host's MemAvailable and PSI only; in a container near its limit
+    the host may have gigabytes free and no stalls while the limit reclaims this process's pages."""
+    from bmoe.pipeline.cgroup import CgroupMemory
+
+    near = CgroupMemory(limit=1100 * MiB, usage=1050 * MiB, file_pages=0, what="memory.max", oom_kills=0,
+                        psi_some_us=42)
+    s = live_sample(cgroup=lambda: near)
+    assert s.mem_available == 50 * MiB and s.psi_some_us == 42
+    out = decide(None, s, budget=512 * MiB, resident=512 * MiB, ceiling=512 * MiB,
+                 settings=GuardSettings(low=256 * MiB, high=384 * MiB), since_change_s=1e9)
+    assert out is not None and out[0] < 512 * MiB  # the guard shrinks on the container's figure
+    host = live_sample(cgroup=lambda: None)  # negative control: the host's figure, far above 50 MiB here
+    assert host.mem_available is not None and host.mem_available > 50 * MiB

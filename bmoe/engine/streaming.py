@@ -30,7 +30,7 @@ from bmoe.pipeline.budget import (
     guard_ceiling,
     needs_from,
     parse_smaps,
-    read_meminfo,
+    read_memory,
     resolve_budget,
     transient_bytes,
 )
@@ -119,8 +119,8 @@ class StreamParts:
     ) -> StreamParts:
         """``dense_in_file``: the dense weights live in llama.cpp's file mapping (or are still to be
         copied), not in anonymous memory the open already filled."""
-        meminfo = read_meminfo()
-        mem_total = meminfo.get("MemTotal", 0)
+        memory = read_memory()  # the host's, or the container's where its cgroup limits it
+        mem_total = memory.total
         nbytes = {(il, et.suffix): et.span.nbytes for il in layout.moe_layers for et in layout.layer_experts(il)}
         expert_data = [(data, data + nbytes[key]) for key, addr in tensors.items()
                        if (data := GgmlTensor.from_address(addr).data) and key in nbytes]
@@ -129,7 +129,8 @@ class StreamParts:
         budget = resolve_budget(
             config.cache_bytes,
             ceiling=config.cache_ceiling_bytes,
-            mem_available=meminfo.get("MemAvailable", 0),
+            mem_available=memory.available,
+            source=memory.how,
             needs=needs,
             expert_bank_bytes=layout.expert_bytes,
             working_set_bytes=layout.expert_bytes_per_token(),

@@ -14,6 +14,9 @@ is refused with the figure that would fit, or only warned about when forced. Bel
 working set a cache that cycles through the layers in order (LRU) hits nothing at all: such a
 budget is allowed but earns a warning.
 
+Memory available is the host's MemAvailable, or, in a container whose cgroup limits memory, the
+limit less the cgroup's usage plus its page cache when that is less (``read_memory``).
+
 The open-time figure is a forecast; ``bmoe.pipeline.pressure`` corrects it while running, and may
 grow an ``auto`` budget into the room set aside for buffers not touched yet (``guard_ceiling``).
 """
@@ -21,10 +24,11 @@ grow an ``auto`` budget into the room set aside for buffers not touched yet (``g
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from bmoe.errors import BudgetError
+from bmoe.pipeline.cgroup import CgroupMemory, read_cgroup_memory
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -119,11 +123,13 @@ def resolve_budget(
     expert_bank_bytes: int,
     working_set_bytes: int,
     force: bool = False,
+    source: str = "available",
 ) -> Budget:
-    """``requested`` None means auto; an explicit number (0 = cache off) must fit, unless forced."""
+    """``requested`` None means auto; an explicit number (0 = cache off) must fit, unless forced.
+    ``source`` names where ``mem_available`` came from (``Memory.how``)."""
     fit = needs.room(mem_available)
     left = mem_available - needs.total
-    model = f"{mib_text(mem_available)} MiB available - {needs.describe()} = {mib_text(max(left, 0))} MiB"
+    model = f"{mib_text(mem_available)} MiB {source} - {needs.describe()} = {mib_text(max(left, 0))} MiB"
     if left > 0 and fit == 0:  # what is left is real; it just cannot hold a prompt layer's union
         model += f", less than the {mib_text(needs.transient)} MiB prefill union: 0 MiB"
     warning = None
@@ -239,3 +245,28 @@ def read_meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
             if parts:
                 out[key] = int(parts[0]) * (1024 if len(parts) > 1 and parts[1] == "kB" else 1)
     return out
+
+
+@dataclass(frozen=True)
+class Memory:
+    """What the process may use, in bytes: the host's figures, or the container's where lower."""
+
+    total: int  # MemTotal, or the cgroup's limit
+    available: int  # MemAvailable, or the cgroup's room (limit - usage + page cache)
+    how: str  # where ``available`` came from, for the budget's one line
+    cgroup: CgroupMemory | None = None
+
+
+def read_memory(meminfo_path: str = "/proc/meminfo",
+                cgroup: Callable[[], CgroupMemory | None] = read_cgroup_memory) -> Memory:
+    """min(host, container) of total and available memory. A container's limit is invisible in
+    /proc/meminfo: under a 1,100 MiB limit on a 24 GiB host, ``auto`` planned a 20 GiB cache."""
+    info = read_meminfo(meminfo_path)
+    total, avail = info.get("MemTotal", 0), info.get("MemAvailable", 0)
+    limits = cgroup()
+    if limits is None:
+        return Memory(total, avail, "MemAvailable")
+    total = min(total, limits.limit) if total else limits.limit
+    if limits.available < avail:
+        return Memory(total, limits.available, f"available in the container ({limits.describe()})", limits)
+    return Memory(total, avail, "MemAvailable (below the container's room)", limits)

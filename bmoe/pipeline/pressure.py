@@ -5,11 +5,12 @@ fixed budget makes the kernel reclaim what the process cannot do without (the de
 page cache, its code) and every token faults it back in: speed falls 4-12x. The guard watches three
 signals and shrinks the budget when any appears, then grows it back once they have cleared:
 
-- MemAvailable, less what the cache will still take to fill its budget (``budget - resident``):
+- MemAvailable (in a container whose cgroup limits memory, the limit's room where lower:
+  ``bmoe.pipeline.cgroup``), less what the cache will still take to fill its budget (``budget - resident``):
   below ``low`` is pressure; a shrink gives up enough to bring it back to ``high``, and a growth
   never takes it below ``high``. Between the two nothing happens (the hysteresis band).
-- ``/proc/pressure/memory`` (PSI): the share of wall time some task stalled on memory since the
-  last sample, at or above ``psi_fraction``.
+- ``/proc/pressure/memory`` (PSI; the cgroup's own ``memory.pressure`` where it has one): the
+  share of wall time some task stalled on memory since the last sample, at or above ``psi_fraction``.
 - the process's major page faults per second, at or above ``fault_rate`` (its dense weights or
   code being read back after reclaim; expert reads are O_DIRECT and fault nothing).
 
@@ -33,6 +34,7 @@ from dataclasses import asdict, dataclass
 
 from bmoe.errors import BudgetError
 from bmoe.pipeline.budget import MiB, read_meminfo
+from bmoe.pipeline.cgroup import CgroupMemory, read_cgroup_memory
 
 
 @dataclass(frozen=True)
@@ -78,9 +80,17 @@ def read_mem_available(path: str = "/proc/meminfo") -> int | None:
         return None
 
 
-def live_sample(clock: Callable[[], float] = time.monotonic) -> PressureSample:
-    """This machine and process now (about 30 µs: two small /proc reads and getrusage)."""
-    return PressureSample(clock(), read_mem_available(), read_psi(), read_major_faults())
+def live_sample(clock: Callable[[], float] = time.monotonic,
+                cgroup: Callable[[], CgroupMemory | None] = read_cgroup_memory) -> PressureSample:
+    """This machine and process now (two small /proc reads, the cgroup's few files, getrusage).
+    In a container the cgroup's room and stalls are what matter: the host may have plenty of
+    both while the container's limit reclaims this process's pages."""
+    available, psi = read_mem_available(), None
+    limits = cgroup()
+    if limits is not None:
+        available = limits.available if available is None else min(available, limits.available)
+        psi = limits.psi_some_us
+    return PressureSample(clock(), available, read_psi() if psi is None else psi, read_major_faults())
 
 
 @dataclass(frozen=True)
