@@ -45,7 +45,7 @@ from bmoe.pipeline.profile import load_profile, prewarm_order, save_profile
 from bmoe.pipeline.readiness import ReadinessBoard
 from bmoe.stages.bind import Residency, SimResidency
 from bmoe.stages.prefetch import PrefetchStage
-from bmoe.stages.read import Reader, ReadStage
+from bmoe.stages.read import Reader, ReadStage, limit_reads
 from bmoe.stages.ready import LayerReads, ReadyStage
 
 
@@ -162,7 +162,7 @@ class StreamParts:
                 pool.close()
             raise
         try:
-            reader = open_reader(layout, config.odirect)
+            reader = limit_reads(open_reader(layout, config.odirect), config.disk_limit_mib_s, layout.shards)
         except BaseException:
             residency.close()
             raise

@@ -9,30 +9,153 @@ bench/overlap.py model). A batch is the lane's fair share of the queued run of o
 projection) - the unit overlap waits on - or the queued projections of one speculative expert.
 That choice, real before speculative included, is ``ReadQueue``'s, a plain class with no threads
 (``tests/test_read_queue.py``); ``ReadStage`` runs the lanes around it.
+
+``limit_reads`` holds a reader to a disk rate (``RunConfig.disk_limit_mib_s``, a test aid that
+emulates a slower disk): the cgroup's ``io.max`` where this process may write it, else a
+``TokenBucket`` that every lane's read draws on before it lands.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import takewhile
+from pathlib import Path
 from typing import Protocol
 
 from bmoe.errors import ReadCancelled, ReadError
+from bmoe.io.iomax import IoMax, find_io_max
 from bmoe.pipeline.channel import Channel
 from bmoe.pipeline.events import MAX_PROJ, ExpertKey, ReadItem, ReadJob, ReadRequest
 from bmoe.pipeline.hooks import Hooks
 from bmoe.pipeline.readiness import ReadinessBoard
+
+MiB = 1 << 20
 
 
 class Reader(Protocol):
     """Fills ``dest`` with file bytes; called on a lane thread, blocks, returns bytes transferred."""
 
     def read_into(self, shard: int, offset: int, nbytes: int, dest: int) -> int: ...
+
+
+class TokenBucket:
+    """A disk of ``rate`` bytes per second, as arithmetic: each read is given the time its bytes
+    land on such a disk, serving the reads one after another in the order they reserve, each no
+    earlier than it started (less ``burst_s``: how far an idle disk may run ahead). A lane that
+    read faster waits until then before its read lands: every lane draws on the one bucket, so
+    together they land at most ``rate`` bytes per second whatever their number.
+
+    Thread-safe (one lock around the reservation; the wait is outside it). ``clock`` and ``sleep``
+    are ``time.monotonic`` and ``time.sleep`` unless a test hands in a fake clock."""
+
+    def __init__(self, rate: float, burst_s: float = 0.0, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        if not rate > 0:
+            raise ValueError(f"a token bucket needs a rate above 0 bytes/s, got {rate}")
+        self.rate = rate
+        self.burst_s = burst_s
+        self._clock = clock
+        self._sleep = sleep
+        self._free_at = float("-inf")  # when the emulated disk finishes what it was given so far
+        self._lock = threading.Lock()
+
+    def now(self) -> float:
+        return self._clock()
+
+    def land_at(self, nbytes: int, started: float) -> float:
+        """Reserve ``nbytes`` for a read that started at ``started``: when they land."""
+        with self._lock:
+            begin = max(self._free_at, started - self.burst_s)
+            self._free_at = begin + nbytes / self.rate
+            return self._free_at
+
+    def take(self, nbytes: int, started: float) -> float:
+        """Reserve, then wait until the bytes land; the seconds waited."""
+        wait = self.land_at(nbytes, started) - self._clock()
+        if wait > 0:
+            self._sleep(wait)
+            return wait
+        return 0.0
+
+
+class BucketReader:
+    """A reader whose reads land no faster than ``bucket`` allows: the read runs at the device's
+    speed, then waits for its bytes' turn (bytes transferred, O_DIRECT's aligned supersets
+    included, as a disk would transfer them). Everything else is the wrapped reader's."""
+
+    def __init__(self, inner: Reader, bucket: TokenBucket, how: str) -> None:
+        self.inner = inner
+        self.bucket = bucket
+        self.limit_how = how
+        self.waited_s = 0.0  # summed over lanes; read without a lock: a figure, not an invariant
+
+    def read_into(self, shard: int, offset: int, nbytes: int, dest: int) -> int:
+        started = self.bucket.now()
+        n = self.inner.read_into(shard, offset, nbytes, dest)
+        self.waited_s += self.bucket.take(n, started)
+        return n
+
+    def __getattr__(self, name: str) -> object:  # mode, fallback_reason, verify, close, ...
+        return getattr(self.inner, name)
+
+
+class IoMaxReader:
+    """A reader of files whose disk a cgroup v2 ``io.max`` limits while it is open: restored on
+    ``close``. Everything else is the wrapped reader's."""
+
+    def __init__(self, inner: Reader, io_max: IoMax, how: str, mib_s: float) -> None:
+        io_max.apply(mib_s)
+        self.inner = inner
+        self.io_max = io_max
+        self.limit_how = how
+
+    def read_into(self, shard: int, offset: int, nbytes: int, dest: int) -> int:
+        return self.inner.read_into(shard, offset, nbytes, dest)
+
+    def close(self) -> None:
+        try:
+            self.io_max.restore()
+        finally:
+            self.inner.close()  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+def disk_limit_plan(paths: Sequence[Path | str], mib_s: float) -> tuple[IoMax | None, str]:
+    """How reads of ``paths`` are held to ``mib_s`` MiB/s, and that said in a line: the cgroup's
+    ``io.max`` where this process may write it, else (None) a token bucket in the read lanes,
+    with the reason ``io.max`` is not used."""
+    found = find_io_max(paths)
+    if isinstance(found, IoMax):
+        return found, (f"cgroup v2 io.max ({found.path}: {found.device} rbps={mib_s:g} MiB/s), which limits every "
+                       "process of this cgroup while the session is open")
+    return None, bucket_how(mib_s, found)
+
+
+def bucket_how(mib_s: float, why: str) -> str:
+    return (f"a token bucket in the read lanes ({mib_s:g} MiB/s over all lanes: the bytes each read transfers "
+            f"land no sooner than a disk of that rate would deliver them); not cgroup io.max: {why}")
+
+
+def limit_reads(reader: Reader, mib_s: float | None, paths: Sequence[Path | str]) -> Reader:
+    """``reader`` with its reads held to ``mib_s`` MiB/s (None: ``reader`` itself), as
+    ``disk_limit_plan`` says; the wrapper's ``limit_how`` is that line."""
+    if mib_s is None:
+        return reader
+    io_max, how = disk_limit_plan(paths, mib_s)
+    if io_max is not None:
+        try:
+            return IoMaxReader(reader, io_max, how, mib_s)
+        except OSError as e:
+            how = bucket_how(mib_s, f"writing {io_max.path} failed: {e.strerror}")
+    return BucketReader(reader, TokenBucket(mib_s * MiB), how)
 
 
 @dataclass
