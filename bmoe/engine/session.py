@@ -15,6 +15,7 @@ import contextlib
 import os
 import re
 import sys
+import threading
 import time
 import warnings
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -32,6 +33,7 @@ from bmoe.llama.isolate import check_first_open
 from bmoe.llama.loader import OpenedModel, capture_weights, open_model
 from bmoe.engine.lossy import LoadOverrides, load_overrides, lossy_callback
 from bmoe.engine.prefill import planner_of, prefill_batches
+from bmoe.engine.scheduler import Scheduler
 from bmoe.engine.sampling import (
     GREEDY,
     Sampler,
@@ -40,7 +42,7 @@ from bmoe.engine.sampling import (
     check_grammar,
     logprobs_of,
 )
-from bmoe.llama.seam import LlamaModel, check_token_ids
+from bmoe.llama.seam import LlamaModel, Step, check_token_ids
 from bmoe.engine.stops import StopStrings
 from bmoe.engine.streaming import Streamer, StreamParts
 from bmoe.errors import (
@@ -163,6 +165,12 @@ class Session:
         self._kv: list[int] | None = []  # tokens the context holds; None: unknown (cleared next)
         self._watch: FileWatch | None = None  # the model files as loaded (set by open)
         self.last_usage: Usage | None = None
+        # Native calls outside a decode (tokenize, detokenize, a grammar's check) in flight, from
+        # any thread: the teardown waits for them before it frees the model under them.
+        self._native_calls = 0
+        self._native_done = threading.Condition()
+        # Many sequences or drafts: the step loop owns the context (bmoe.engine.scheduler).
+        self._scheduler = Scheduler(self) if config.stepped else None
 
     @classmethod
     async def open_async(cls, path: str | Path, config: RunConfig | None = None, *,
@@ -223,10 +231,13 @@ class Session:
         callback = lossy_callback(gate, layout, config) or EvalCallback(gate)
         model = LlamaModel(
             opened, n_ctx=config.n_ctx, n_threads=config.threads, callback=callback,
-            install=streaming or config.eval_filter,
+            install=streaming or config.eval_filter, n_seq_max=config.parallel,
         )
         streamer = parts = dense = recorder = None
         try:
+            if config.draft != "none" and not model.can_drop_tail():
+                raise ConfigError(f"draft {config.draft!r}: a rejected draft's positions must be taken back, "
+                                  "which a recurrent or hybrid model's state cannot do (run it without --draft)")
             if streaming:
                 # Which layers expert-major can compute, seen by the capture's warm-up decode when
                 # there is one, else by a warm-up of its own (experts not yet bound: no pages).
@@ -319,24 +330,41 @@ class Session:
         return self._watch.changed() if self._watch is not None and not self._closed else None
 
     def tokenize(self, text: str, *, special: bool = False) -> list[int]:
-        model = self._live()
-        return _tokenize(model, _check_text(text, "text"), _check_flag(special, "special"))
+        text, special = _check_text(text, "text"), _check_flag(special, "special")
+        with self._native() as model:
+            return _tokenize(model, text, special)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
-        model = self._live()
-        ids = check_token_ids(tokens, model.n_vocab, "tokens")
-        return b"".join(model.piece(t) for t in ids).decode("utf-8", errors="replace")
+        with self._native() as model:
+            ids = check_token_ids(tokens, model.n_vocab, "tokens")
+            return b"".join(model.piece(t) for t in ids).decode("utf-8", errors="replace")
 
     def check_grammar(self, sampling: SamplingParams) -> None:
         """Compile ``sampling``'s grammar and free it: one llama.cpp cannot parse raises a
         ``ParamError`` naming its field now, not when a generation starts (what a server's
         request preparation calls; the vocabulary is read-only, so any thread may)."""
-        check_grammar(self._live().vocab, sampling)
+        with self._native() as model:
+            check_grammar(model.vocab, sampling)
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes a token stands for (a piece of a UTF-8 character, for byte tokens)."""
-        model = self._live()
-        return model.piece(check_token_ids([token], model.n_vocab, "token")[0])
+        with self._native() as model:
+            return model.piece(check_token_ids([token], model.n_vocab, "token")[0])
+
+    @contextlib.contextmanager
+    def _native(self):  # noqa: ANN202 - a context manager giving the model
+        """Around a native call made outside a decode, from any thread: refused once closed, and
+        counted, so that a ``close`` on another thread frees the model only after it (a tokenize
+        running while close freed the vocabulary died inside llama.cpp: std::out_of_range)."""
+        with self._native_done:
+            model = self._live()
+            self._native_calls += 1
+        try:
+            yield model
+        finally:
+            with self._native_done:
+                self._native_calls -= 1
+                self._native_done.notify_all()
 
     @property
     def model_name(self) -> str:
@@ -359,6 +387,12 @@ class Session:
     @property
     def n_ctx(self) -> int:
         return self._model.n_ctx
+
+    @property
+    def n_ctx_seq(self) -> int:
+        """Cells one generation may fill: ``n_ctx`` split between the ``parallel`` sequences
+        (llama.cpp rounds each share up to a multiple of 256, and ``n_ctx`` up to their sum)."""
+        return self._model.n_ctx_seq
 
     @property
     def n_vocab(self) -> int:
@@ -422,11 +456,16 @@ class Session:
             forced = check_token_ids(forced, self._model.n_vocab, "forced")
             if len(forced) < max_tokens:
                 raise ConfigError(f"forced holds {len(forced)} tokens, fewer than max_tokens ({max_tokens})")
-        if len(tokens) + max_tokens > self._model.n_ctx:
+        if len(tokens) + max_tokens > self._model.n_ctx_seq:
+            per = f" of each of {self.config.parallel} sequences" if self.config.parallel > 1 else ""
             raise ConfigError(
-                f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceed the context "
-                f"({self._model.n_ctx}); raise the context size (n_ctx)"
+                f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceed the context{per} "
+                f"({self._model.n_ctx_seq}); raise the context size (n_ctx)"
             )
+        if self._scheduler is not None:  # many sequences or drafts: the step loop decodes it
+            async for piece in self._scheduler.stream(tokens, max_tokens, sampling, stops, stop_at_end, forced):
+                yield piece  # type: ignore[misc]
+            return
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
@@ -536,7 +575,11 @@ class Session:
 
     def cancel(self) -> None:
         """Stop the running generation at its next MoE layer (any thread); it ends with
-        ``finish_reason == "cancelled"``. Nothing happens when none is running."""
+        ``finish_reason == "cancelled"``. Nothing happens when none is running. With many
+        sequences (``parallel``), every running one ends."""
+        if self._scheduler is not None:
+            self._scheduler.cancel_all()
+            return
         self._cancel_requested = True
         if self._lock is not None and self._lock.locked():
             self._callback.gate.abort(GenerationCancelled("generation cancelled"))
@@ -555,6 +598,8 @@ class Session:
             raise BmoeError("this session belongs to the event loop it last ran on, which is still open: "
                             "use it from that loop (or from SyncSession in threads), or close that loop first")
         self._loop, self._lock = loop, None
+        if self._scheduler is not None:
+            self._scheduler.on_new_loop()
 
     def _live(self) -> LlamaModel:
         """The model, or SessionClosedError before any native call on a closed session."""
@@ -660,6 +705,22 @@ class Session:
         delta = after - before if after is not None and before is not None else None
         return _Measure(wall, delta, after, sample, ProcessSample.now(), step)
 
+    async def _measured_step(self, step: Step, n: int, phase: int) -> _Measure:
+        """One step of the scheduler with its measurement (``n``: the step's number)."""
+        before, sample, t0 = self._counters(), ProcessSample.now(), time.perf_counter()
+        await self._decode(step, n, phase)  # type: ignore[arg-type]
+        wall = time.perf_counter() - t0
+        after = self._counters()
+        delta = after - before if after is not None and before is not None else None
+        return _Measure(wall, delta, after, sample, ProcessSample.now(), n + 1)
+
+    def _plan_prompt(self, tokens: list[int]):  # noqa: ANN202 - an iterator of token chunks
+        """A prompt's decode calls, as the prefill planner chooses them (the scheduler's prompts)."""
+        return prefill_batches(self, tokens)
+
+    def _prompt_choice(self):  # noqa: ANN202 - a bmoe.pipeline.prefill.Choice or None
+        return planner_of(self).last_choice
+
     def _token_metrics(self, index: int, token: int, m: _Measure, start: Counters | None) -> TokenMetrics:
         d = m.delta
         cum = None
@@ -711,7 +772,11 @@ class Session:
             # Not asked for: every graph node reaches Python (its build cache unwritable, say).
             out.append(f"the C node filter is not in use ({kind.removeprefix('python: ')}): every graph node "
                        "reaches Python, which slows each token")
-        if self.n_ctx != self.config.n_ctx:  # llama.cpp pads the context to a multiple of 256
+        if self.config.parallel > 1 and self.n_ctx != self.config.n_ctx:
+            out.append(f"the context holds {self.n_ctx} tokens, not the {self.config.n_ctx} asked for: "
+                       f"{self.n_ctx_seq} for each of its {self.config.parallel} sequences (llama.cpp rounds "
+                       "a sequence's share up to a multiple of 256)")
+        elif self.n_ctx != self.config.n_ctx:  # llama.cpp pads the context to a multiple of 256
             out.append(f"the context holds {self.n_ctx} tokens, not the {self.config.n_ctx} asked for "
                        f"(llama.cpp rounds it up to a multiple of 256)")
         return out
@@ -724,7 +789,7 @@ class Session:
         """Change the expert cache budget between generations; evicts down to it at once. A budget
         past the expert bank is the bank."""
         self._live()
-        if self._lock is not None and self._lock.locked():
+        if self.generating:
             raise BmoeError("cannot change the cache budget while generating")
         if self._streaming is None:
             raise ConfigError("a resident session has no expert cache")
@@ -744,9 +809,20 @@ class Session:
         runs, with no cache or no guard, or once closed."""
         if self._closed or self._streaming is None or self._streaming.guard is None:
             return False
-        if self._lock is not None and self._lock.locked():
+        if self.generating:
             return False
         return self._streaming.tick() is not None
+
+    @property
+    def generating(self) -> bool:
+        """A generation is running or waiting on this session."""
+        return bool(self._lock is not None and self._lock.locked()
+                    or self._scheduler is not None and self._scheduler.busy)
+
+    @property
+    def scheduler(self) -> Scheduler | None:
+        """The step loop (many sequences or drafts), or None when generations take turns."""
+        return self._scheduler
 
     @property
     def pressure_guard(self) -> PressureGuard | None:
@@ -798,6 +874,8 @@ class Session:
         if self._torn_down:
             return
         self._torn_down = True
+        with self._native_done:  # closed is set: no new native call starts; wait for those running
+            self._native_done.wait_for(lambda: self._native_calls == 0)
         recorder, self._recorder = self._recorder, None
         streaming, self._streaming = self._streaming, None
         dense, self._dense = self._dense, None

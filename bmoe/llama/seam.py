@@ -18,6 +18,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import cache
 from typing import Any, Protocol
 
@@ -145,11 +146,37 @@ def model_params():  # noqa: ANN201 - a llama_cpp.llama_model_params
     return mparams
 
 
+@dataclass(frozen=True)
+class Step:
+    """One ``llama_decode`` over any number of sequences: token ``i`` goes to sequence ``seq[i]`` at
+    position ``pos[i]``, and its logits are kept where ``out[i]`` (``LlamaModel.logits_at`` reads
+    them by the index among the kept ones). A prompt chunk, a token of every decoding sequence, or
+    a draft to verify are all steps."""
+
+    tokens: tuple[int, ...]
+    pos: tuple[int, ...]
+    seq: tuple[int, ...]
+    out: tuple[bool, ...]
+
+    def __post_init__(self) -> None:
+        n = len(self.tokens)
+        if n == 0 or not len(self.pos) == len(self.seq) == len(self.out) == n:
+            raise ValueError(f"a step needs as many positions, sequences and output flags as tokens ({n})")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def n_out(self) -> int:
+        return sum(self.out)
+
+
 class LlamaModel:
     """A loaded model and one context on it, with bmoe's callbacks installed."""
 
     def __init__(
         self, opened: OwnedModel, *, n_ctx: int, n_threads: int, callback: EvalCallback, install: bool,
+        n_seq_max: int = 1,
     ) -> None:
         """``install=False`` leaves llama.cpp without bmoe's eval callback (plain resident runs):
         it is a Python call per graph node, which a baseline must not pay.
@@ -166,6 +193,9 @@ class LlamaModel:
         cparams.n_ctx = n_ctx
         cparams.n_batch = cparams.n_ubatch = min(512, n_ctx)
         cparams.n_threads = cparams.n_threads_batch = n_threads
+        # Sequences this context decodes together; each gets its own n_ctx / n_seq_max cells (the
+        # KV is not unified: a sequence's attention never reads another's cells).
+        cparams.n_seq_max = n_seq_max
         self._node_filter: NodeFilter | None = None
         # Who answers llama.cpp's question about each graph node (stats report it): "c" (only MoE
         # nodes reach Python), "python: <why not c>", or None (no callback installed).
@@ -191,7 +221,10 @@ class LlamaModel:
         self.n_vocab = lib.llama_vocab_n_tokens(self.vocab)
         self.n_ctx = lib.llama_n_ctx(self.ctx)
         self.n_batch = cparams.n_batch
+        self.n_seq_max = lib.llama_n_seq_max(self.ctx)
+        self.n_ctx_seq = lib.llama_n_ctx_seq(self.ctx)  # cells one sequence may hold
         self._piece_buf = ctypes.create_string_buffer(256)
+        self._batch = None  # a llama_batch of n_batch tokens, made on the first Step
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
         """``parse_special`` lets control-token text (a chat template's markers) become tokens."""
@@ -239,10 +272,39 @@ class LlamaModel:
             return False
         return bool(self._lib.llama_memory_seq_rm(self._lib.llama_get_memory(self.ctx), 0, n, -1))
 
-    def decode(self, tokens: list[int]) -> None:
-        """Run one batch (blocking: call it on the compute thread). Logits only for the last token."""
-        arr = (ctypes.c_int32 * len(tokens))(*tokens)
-        batch = self._lib.llama_batch_get_one(arr, len(tokens))
+    def seq_keep_prefix(self, seq: int, n: int) -> bool:
+        """``keep_prefix`` for one sequence of many: its cells from ``n`` on are dropped, the other
+        sequences' untouched. False where the memory cannot keep a partial sequence (then
+        ``seq_clear`` it)."""
+        if n <= 0 or self._lib.llama_model_n_swa(self.model) > 0 or self._lib.llama_model_is_recurrent(self.model):
+            return False
+        return bool(self._lib.llama_memory_seq_rm(self._lib.llama_get_memory(self.ctx), seq, n, -1))
+
+    def seq_drop_tail(self, seq: int, n: int) -> bool:
+        """Drop a sequence's cells from position ``n`` on (a rejected draft's): False where the
+        memory cannot (a recurrent state has no positions to drop)."""
+        if self._lib.llama_model_is_recurrent(self.model) or self._lib.llama_model_is_hybrid(self.model):
+            return False
+        return bool(self._lib.llama_memory_seq_rm(self._lib.llama_get_memory(self.ctx), seq, n, -1))
+
+    def seq_clear(self, seq: int) -> None:
+        """Every cell of one sequence dropped, the others' kept."""
+        self._lib.llama_memory_seq_rm(self._lib.llama_get_memory(self.ctx), seq, -1, -1)
+
+    def can_drop_tail(self) -> bool:
+        """Whether a sequence's last positions can be taken back (what a rejected draft needs):
+        not in a recurrent or hybrid model, whose state has no positions."""
+        return not (self._lib.llama_model_is_recurrent(self.model) or self._lib.llama_model_is_hybrid(self.model))
+
+    def decode(self, tokens: list[int] | Step) -> None:
+        """Run one batch (blocking: call it on the compute thread). A list is one sequence's tokens
+        after what the context holds, logits only for the last; a ``Step`` says each token's
+        sequence and position and which logits to keep."""
+        if isinstance(tokens, Step):
+            batch = self._fill(tokens)
+        else:
+            arr = (ctypes.c_int32 * len(tokens))(*tokens)
+            batch = self._lib.llama_batch_get_one(arr, len(tokens))
         self.callback.before_decode(len(tokens))
         try:
             rc = self._lib.llama_decode(self.ctx, batch)
@@ -255,13 +317,36 @@ class LlamaModel:
         if rc != 0:
             raise LlamaCallError(f"llama_decode returned {rc}")
 
+    def _fill(self, step: Step):  # noqa: ANN202 - a llama_cpp.llama_batch
+        if len(step) > self.n_batch:
+            raise ConfigError(f"a step of {len(step)} tokens exceeds the context's batch ({self.n_batch})")
+        if self._batch is None:
+            self._batch = self._lib.llama_batch_init(self.n_batch, 0, 1)
+        b = self._batch
+        for i, (t, p, s, o) in enumerate(zip(step.tokens, step.pos, step.seq, step.out)):
+            b.token[i] = t
+            b.pos[i] = p
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = s
+            b.logits[i] = o
+        b.n_tokens = len(step)
+        return b
+
     def logits(self) -> np.ndarray:
-        ptr = self._lib.llama_get_logits_ith(self.ctx, -1)
+        return self.logits_at(-1)
+
+    def logits_at(self, i: int) -> np.ndarray:
+        """Scores after the token at index ``i`` of the last decode's batch (one whose logits were
+        kept), or -1 for the last kept: a view, valid until the next decode."""
+        ptr = self._lib.llama_get_logits_ith(self.ctx, i)
         if not ptr:
             raise LlamaCallError("llama.cpp returned no logits")
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
 
     def close(self) -> None:
+        if self._batch is not None:
+            self._lib.llama_batch_free(self._batch)
+            self._batch = None
         if self.ctx:
             self._lib.llama_free(self.ctx)
             self.ctx = None
