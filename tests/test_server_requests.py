@@ -196,7 +196,7 @@ def test_a_generation_failing_mid_way_counts_its_own_tokens_and_its_outcome(serv
 
 
 @pytest.mark.parametrize("path,body,param", [
-    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
     ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {"messages": CHAT, "function_call": {"name": "f"}}, "function_call"),
@@ -276,7 +276,8 @@ def test_nulls_one_prompt_in_a_list_and_the_harmless_values_are_accepted(served)
         r = post(url, "/v1/completions", body)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == plain, (body, r.text)
     for body in ({"messages": CHAT, "max_tokens": 3, "logprobs": None, "n": None, "stream": None},
-                 {"messages": CHAT, "max_tokens": 3, "tools": [{"type": "function"}], "tool_choice": "none"},
+                 {"messages": CHAT, "max_tokens": 3, "tools": [{"type": "function", "function": {"name": "f"}}],
+                  "tool_choice": "none"},
                  {"messages": CHAT, "max_tokens": 3, "tools": [], "temperature": 0.9, "seed": -1}):
         r = post(url, "/v1/chat/completions", body)
         assert r.status_code == 200 and r.json()["object"] == "chat.completion", (body, r.text)

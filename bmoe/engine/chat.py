@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from typing import Any
 
 from bmoe.llama.seam import llama_lib
@@ -26,8 +26,25 @@ BUILTIN = "the model's own chat template (llama.cpp's built-in renderer)"
 
 @dataclass(frozen=True)
 class Message:
-    role: str  # "system" | "user" | "assistant"
+    role: str  # "system" | "user" | "assistant" | "tool"
     content: str
+    # An assistant's tool calls, in the shape templates read (``bmoe.engine.tools.template_call``);
+    # a tool result's call id and function name.
+    tool_calls: tuple[Mapping[str, Any], ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a Jinja template reads it; the tool fields only where they are set
+        (templates test ``message.tool_calls`` and ``is defined``)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = list(self.tool_calls)
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 class ChatFormat:
@@ -60,15 +77,37 @@ class ChatFormat:
         """Whether the template knows the ``enable_thinking`` switch (Qwen3 style)."""
         return self._template is not None and b"enable_thinking" in self._template
 
-    def splitter(self, prompt: str) -> ThinkSplitter | ChannelSplitter:
-        """What separates a reply to ``prompt`` into reasoning and answer (``bmoe.engine.thinking``)."""
-        return ChannelSplitter(prompt) if self.channels else ThinkSplitter(prompt)
+    def splitter(self, prompt: str, *, calls: bool = False) -> ThinkSplitter | ChannelSplitter:
+        """What separates a reply to ``prompt`` into reasoning and answer (``bmoe.engine.thinking``);
+        ``calls``: gpt-oss's messages to a function are reported as tool calls."""
+        return ChannelSplitter(prompt, calls=calls) if self.channels else ThinkSplitter(prompt)
 
-    def render(self, messages: Sequence[Message], template_kwargs: Mapping[str, Any] | None = None) -> str:
+    @property
+    def template(self) -> bytes | None:
+        """The template this format renders with (None: the plain transcript)."""
+        return self._template
+
+    @cached_property
+    def renders_tools(self) -> bool:
+        """Whether the template itself shows the model a ``tools`` list (a tool's name given to it
+        comes out in the prompt), as llama.cpp probes a template's capabilities."""
+        if self._jinja is None:
+            return False
+        tool = {"type": "function", "function": {"name": "bmoe_probe_tool", "description": "probe",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+        text = self._render_jinja([Message("user", "hi")], {"tools": [tool]})
+        return text is not None and "bmoe_probe_tool" in text
+
+    def render(self, messages: Sequence[Message], template_kwargs: Mapping[str, Any] | None = None,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """The prompt for the assistant's next turn. ``template_kwargs`` (``enable_thinking``...)
-        reach a Jinja template; the built-in renderer and the plain transcript ignore them."""
+        reach a Jinja template; the built-in renderer and the plain transcript ignore them.
+        ``tools`` (OpenAI's entries) reach a Jinja template as its ``tools``."""
         if self._jinja is not None:
-            text = self._render_jinja(messages, template_kwargs or {}, refuse=True)
+            kwargs = dict(template_kwargs or {})
+            if tools is not None:
+                kwargs["tools"] = list(tools)
+            text = self._render_jinja(messages, kwargs, refuse=True)
             if text is not None:
                 return self._one_bos(text)
         if self._template is not None:
@@ -91,7 +130,7 @@ class ChatFormat:
         it was rendered another way, silently."""
         try:
             return self._jinja.render(
-                messages=[{"role": m.role, "content": m.content} for m in messages],
+                messages=[m.for_template() for m in messages],
                 add_generation_prompt=True, **self._special, **kwargs,
             )
         except TemplateRefusal as e:

@@ -27,23 +27,66 @@ token. Differences from llama-cpp-python on purpose:
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from bmoe.engine.chat import Message
+from bmoe.engine import tools as toolcalls
+from bmoe.engine.chat import ChatFormat, Message
 from bmoe.engine.sampling import MAX_LOGPROBS, ParamError, SamplingParams, TokenLogprob
 from bmoe.llama.seam import check_token_ids
 from bmoe.engine.stops import StopStrings
 from bmoe.engine.thinking import CUT
 from bmoe.errors import ConfigError
 
-# ``Session`` and ``Piece`` (bmoe.engine.session) are named in annotations only: session.py imports
-# this module for its ``create_*`` methods, so importing it back would make a cycle.
-Session = Piece = Any
+
+# What this module uses of ``bmoe.engine.session``'s Session and Piece, written as protocols:
+# session.py imports this module for its ``create_*`` methods, so importing it back would make a
+# cycle. Any object with these members (a test's stand-in too) can be answered for.
+class Usage(Protocol):
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int: ...
+
+    @property
+    def prompt_reused(self) -> int: ...
+
+
+class Piece(Protocol):
+    token: int | None
+    text: str
+    logprob: TokenLogprob | None
+    finish_reason: str | None
+    usage: Usage | None
+
+
+class Session(Protocol):
+    @property
+    def n_ctx(self) -> int: ...
+
+    @property
+    def n_vocab(self) -> int: ...
+
+    @property
+    def model_name(self) -> str: ...
+
+    def tokenize(self, text: str, *, special: bool = False) -> list[int]: ...
+
+    def token_bytes(self, token: int) -> bytes: ...
+
+    def check_grammar(self, sampling: SamplingParams) -> None: ...
+
+    def chat_format(self) -> ChatFormat: ...
+
+    def stream(self, prompt: str | Sequence[int], max_tokens: int = 64, *, sampling: SamplingParams | None = None,
+               stop: Sequence[str] | str | None = None) -> AsyncIterator[Piece]: ...
+
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 CONTEXT_FIX = "open the session with a larger RunConfig.n_ctx"
@@ -178,10 +221,13 @@ def messages_from(messages: Any) -> list[Message]:
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)) or not messages:
         raise ParamError("messages must be a non-empty list of {role, content} objects", "messages")
     out = []
+    names: dict[Any, str] = {}  # tool call id -> function name
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or m.get("role") not in ROLES:
             raise ParamError(f"messages[{i}] needs a role among {', '.join(ROLES)}", "messages")
         content = m.get("content")
+        calls = toolcalls.check_calls(i, m["tool_calls"]) if m["role"] == "assistant" and m.get(
+            "tool_calls") else ()
         if content is None:
             # OpenAI refuses a message without content, except an assistant's that calls a tool
             if not (m["role"] == "assistant" and (m.get("tool_calls") or m.get("function_call"))):
@@ -196,7 +242,15 @@ def messages_from(messages: Any) -> list[Message]:
         elif not isinstance(content, str):
             raise ParamError(f"messages[{i}].content must be text", "messages")
         role = "system" if m["role"] == "developer" else m["role"]
-        out.append(Message(role, content))
+        call_id, name = m.get("tool_call_id"), m.get("name")
+        if role == "tool":
+            if call_id is not None and not isinstance(call_id, str):
+                raise ParamError(f"messages[{i}].tool_call_id must be text", "messages")
+            name = name if isinstance(name, str) else names.get(call_id)  # the call it answers, for templates
+        else:
+            call_id, name = None, None
+        names.update({c.get("id"): c["function"]["name"] for c in calls})
+        out.append(Message(role, content, calls, call_id, name))
     return out
 
 
@@ -218,7 +272,7 @@ class Prepared:
     stream: bool
     model: str
     logprobs: bool  # report them (how many alternatives: sampling.logprobs)
-    splitter: Callable[[], Any] | None = None  # chat: a fresh reasoning / answer splitter
+    splitter: Callable[[], toolcalls.ReplyParser] | None = None  # chat: a fresh reasoning / answer / calls parser
     prompt_chars: int = 0  # a text completion's prompt length in characters (``text_offset`` counts from it)
     include_usage: bool = False  # stream_options.include_usage: a last chunk with no choices carries usage
 
@@ -309,47 +363,71 @@ def prepare_completion(
                     prompt_chars=chars, include_usage=include_usage)
 
 
-def _tools(tools: Any, tool_choice: Any, functions: Any, function_call: Any) -> None:
-    """Tool calls are not parsed out of a reply: a request that asks for them is refused rather
-    than answered as if no tools were given. ``tool_choice: "none"`` (or no tools) is fine."""
-    for name, given, choice, choice_name in (("tools", tools, tool_choice, "tool_choice"),
-                                             ("functions", functions, function_call, "function_call")):
-        if given is not None and not isinstance(given, list):
-            raise ParamError(f"{name} must be a list", name)
-        if given and choice != "none":
-            raise ParamError(f"{name} are not supported (bmoe does not parse tool calls); "
-                             f"send {choice_name} 'none' or leave them out", name)
-        if not given and choice not in (None, "none", "auto"):
-            raise ParamError(f"{choice_name} {choice!r} needs {name}, which are not supported", choice_name)
+def _legacy_functions(functions: Any, function_call: Any) -> None:
+    """OpenAI's deprecated ``functions`` / ``function_call`` are refused by name: ``tools`` do the
+    same (llama-server takes only ``tools`` too)."""
+    if functions:
+        raise ParamError("functions are not supported: send them as tools", "functions")
+    if function_call not in (None, "none", "auto"):
+        raise ParamError("function_call is not supported: send tools and tool_choice", "function_call")
+
+
+def _with_tools(fmt: ChatFormat, messages: list[Message], request: toolcalls.ToolRequest | None,
+                style: str) -> tuple[list[Message], list[dict[str, Any]] | None]:
+    """The conversation and the template's ``tools``. A template that renders tools itself gets
+    them as they are; any other has them described in the system message, and past calls written
+    into the assistant's text, in the format the reply is parsed in."""
+    if fmt.renders_tools:
+        return messages, request.template_tools() if request is not None else None
+    if any(m.tool_calls for m in messages):
+        messages = [Message(m.role, "\n".join(x for x in (m.content, toolcalls.as_text(m.tool_calls)) if x))
+                    if m.tool_calls else m for m in messages]
+    if request is None:
+        return messages, None
+    text = toolcalls.describe(request, style)
+    if messages and messages[0].role == "system":
+        return [Message("system", messages[0].content + "\n\n" + text), *messages[1:]], None
+    return [Message("system", text), *messages], None
 
 
 def prepare_chat_completion(
     session: Session, messages: Any, *, max_tokens: int | None = None, stream: bool = False,
     stop: str | Sequence[str] | None = None, logprobs: bool = False, top_logprobs: int | None = None,
     model: str | None = None, n: int = 1, chat_template_kwargs: Mapping[str, Any] | None = None,
-    tools: Any = None, tool_choice: Any = None, functions: Any = None, function_call: Any = None,
-    stream_options: Mapping[str, Any] | None = None, **sampling: Any,
+    tools: Any = None, tool_choice: Any = None, parallel_tool_calls: bool | None = None, functions: Any = None,
+    function_call: Any = None, stream_options: Mapping[str, Any] | None = None, **sampling: Any,
 ) -> Prepared:
     """A ``create_chat_completion`` request checked, rendered with the model's template and
-    tokenized (``run`` answers it)."""
+    tokenized (``run`` answers it). ``tools`` / ``tool_choice``: ``bmoe.engine.tools``."""
     stops, name, include_usage = _common(session, stream=stream, stop=stop, n=n, model=model,
                                          stream_options=stream_options)
     _one("logprobs", logprobs, lambda v: isinstance(v, bool), "must be true or false for a chat completion")
     _one("chat_template_kwargs", chat_template_kwargs, lambda v: v is None or isinstance(v, Mapping),
          "must be an object")
-    _tools(tools, tool_choice, functions, function_call)
+    _legacy_functions(functions, function_call)
+    request = toolcalls.tool_request(tools, tool_choice, parallel_tool_calls)
     _one("top_logprobs", top_logprobs,  # OpenAI bounds it whether or not logprobs is asked for
          lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_LOGPROBS),
          f"must be an integer in [0, {MAX_LOGPROBS}], got {top_logprobs!r}")
     params = sampling_from(logprobs=(top_logprobs or 0) if logprobs else None, **sampling)
     params.check_vocab(session.n_vocab)
-    _check_grammar(session, params)
     fmt = session.chat_format()
-    prompt = fmt.render(messages_from(messages), chat_template_kwargs)
+    style = toolcalls.style_of(fmt.template, fmt.channels)
+    forced = toolcalls.grammar(request, style) if request is not None else None
+    if forced is not None:
+        if params.gbnf() is not None:
+            raise ParamError(f"tool_choice {tool_choice!r} constrains the reply to a call; it does not combine "
+                             f"with a {params.grammar_param}", "tool_choice")
+        params = dataclasses.replace(params, grammar=forced)
+    _check_grammar(session, params)
+    conversation, template_tools = _with_tools(fmt, messages_from(messages), request, style)
+    prompt = fmt.render(conversation, chat_template_kwargs, template_tools)
     tokens = _tokenize(session, prompt, "messages", special=True)
     limit = _max_tokens(max_tokens, None, session, len(tokens), "messages")
+    calls = style if request is not None else None
     return Prepared("chat.completion", tuple(tokens), limit, params, stops, stream, name, logprobs,
-                    lambda: fmt.splitter(prompt), include_usage=include_usage)
+                    lambda: toolcalls.ReplyParser(fmt.splitter(prompt, calls=calls == "harmony"), calls),
+                    include_usage=include_usage)
 
 
 async def completion(session: Session, prompt: str | Sequence[int], **kwargs: Any) -> Any:
@@ -501,16 +579,21 @@ async def _chat(session: Session, p: Prepared, pieces: AsyncIterator[Piece], ids
             yield chunk({"role": "assistant", "content": ""}, None)
             async with aclosing(pieces):
                 async for piece in _chain(first, pieces):
-                    reasoning, answer = split.feed(piece.text)
+                    reasoning, answer, calls = split.feed(piece.text)
                     if piece.finish_reason is not None:
-                        r2, a2 = split.flush(cut=piece.finish_reason in CUT)
-                        reasoning, answer = reasoning + r2, answer + a2
-                    delta = {}
+                        r2, a2, c2 = split.flush(cut=piece.finish_reason in CUT)
+                        reasoning, answer, calls = reasoning + r2, answer + a2, calls + c2
+                    delta: dict[str, Any] = {}
                     if reasoning:
                         delta["reasoning_content"] = reasoning
-                    if answer or (not reasoning and piece.finish_reason is None):
+                    if answer or (not reasoning and not calls and piece.finish_reason is None):
                         delta["content"] = answer
-                    yield chunk(delta, piece)
+                    if calls:
+                        delta["tool_calls"] = toolcalls.merge(calls)
+                    out = chunk(delta, piece)
+                    if piece.finish_reason is not None:
+                        out["choices"][0]["finish_reason"] = _finish(piece.finish_reason, split)
+                    yield out
                     if piece.finish_reason is not None and p.include_usage:
                         yield {**chunk({}, None), "choices": [], "usage": _usage(piece)}
 
@@ -518,24 +601,34 @@ async def _chat(session: Session, p: Prepared, pieces: AsyncIterator[Piece], ids
     parts, thoughts, content_lps, last = [], [], [], None
     async with aclosing(pieces):
         async for piece in pieces:
-            reasoning, answer = split.feed(piece.text)
+            reasoning, answer, _ = split.feed(piece.text)
             parts.append(answer)
             thoughts.append(reasoning)
             if p.logprobs and piece.logprob is not None:
                 content_lps.append(_chat_logprob(session, piece.logprob))
             last = piece
     assert last is not None
-    reasoning, answer = split.flush(cut=last.finish_reason in CUT)
-    message = {"role": "assistant", "content": "".join(parts) + answer}
+    reasoning, answer, _ = split.flush(cut=last.finish_reason in CUT)
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(parts) + answer}
     if any(thoughts) or reasoning:
         message["reasoning_content"] = "".join(thoughts) + reasoning
+    if split.calls:  # OpenAI's shape: no text beside the calls is null content
+        message["tool_calls"] = split.calls
+        if not message["content"].strip():
+            message["content"] = None
     return {
         "id": ids.id, "object": "chat.completion", "created": ids.created, "model": ids.model,
         "choices": [{"index": 0, "message": message,
                      "logprobs": {"content": content_lps} if p.logprobs else None,
-                     "finish_reason": last.finish_reason}],
+                     "finish_reason": _finish(last.finish_reason, split)}],
         "usage": _usage(last),
     }
+
+
+def _finish(reason: str | None, split: toolcalls.ReplyParser) -> str | None:
+    """A reply that ended on its own after calling a tool finished for ``tool_calls`` (OpenAI's
+    reason); one cut by ``max_tokens`` or a cancel keeps its own."""
+    return "tool_calls" if reason == "stop" and split.calls else reason
 
 
 async def _prime(pieces: AsyncIterator[Piece]) -> Piece:

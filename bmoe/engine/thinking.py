@@ -12,7 +12,8 @@ Channels (gpt-oss, "harmony"): a reply is a sequence of messages,
 ``<|channel|>analysis<|message|>REASONING<|end|><|start|>assistant<|channel|>final<|message|>ANSWER``,
 ended by ``<|return|>`` (or ``<|call|>`` after a tool call). The analysis channel is reasoning; the
 final and commentary channels are the answer; a message addressed to a tool (``to=functions.x`` in
-its header) or with an unknown header is left out, as llama-server's gpt-oss parser does; so is
+its header) or with an unknown header is left out of the text, as llama-server's gpt-oss parser
+does (when tools were offered, one to ``functions.NAME`` is a tool call: ``take_calls``); so is
 text between messages. The pinned llama.cpp renders these markers as text even without special
 tokens (it re-types ``<|channel|>``, ``<|message|>``, ``<|start|>``, ``<|constrain|>`` and
 ``<|end|>`` as user-defined at load) and ends the generation at ``<|return|>`` and ``<|call|>``
@@ -93,6 +94,7 @@ START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel
 _BODY_ENDS = (END, "<|return|>", "<|call|>")
 _HEADS = (START, CHANNEL)
 _CHANNEL_NAME = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
+_CALL = re.compile(r"to=functions\.([A-Za-z0-9_-]+)")  # a message addressed to a function: a tool call
 
 
 class ChannelSplitter:
@@ -101,14 +103,37 @@ class ChannelSplitter:
     ``prompt``: the rendered prompt, whose end may already have opened a header or a message
     (a generation prompt that ends with ``<|start|>assistant<|channel|>final<|message|>``)."""
 
-    def __init__(self, prompt: str = "") -> None:
+    def __init__(self, prompt: str = "", *, calls: bool = False) -> None:
+        """``calls``: a message to ``functions.NAME`` is a tool call, reported by ``take_calls``
+        (else it is hidden like any other message the reader should not see)."""
         self._state, self._held, self._header = "start", "", ""
+        self._calls_on, self._calls = calls, []
         at = prompt.rfind(START)
         tail = prompt[at:] if at >= 0 else ""
         if tail.endswith(MESSAGE) and tail.count(MESSAGE) == 1:
-            self._state = _channel_of(tail[: -len(MESSAGE)])
+            self._state = self._open(tail[: -len(MESSAGE)])
         elif CHANNEL in tail and MESSAGE not in tail:
             self._state, self._header = "header", tail
+
+    def take_calls(self) -> list[tuple[str, str]]:
+        """The tool-call events since the last take: ("name", NAME) as a call's message opens,
+        then ("args", TEXT) pieces of its body (the arguments' JSON)."""
+        out, self._calls = self._calls, []
+        return out
+
+    def _open(self, header: str) -> str:
+        """The state a message with this header is read in (a call's name is reported here)."""
+        if self._calls_on and (call := _CALL.search(header)):
+            self._calls.append(("name", call.group(1)))
+            return "call"
+        return _channel_of(header)
+
+    def _emit(self, out: dict[str, str], text: str) -> None:
+        if self._state == "call":
+            if text:
+                self._calls.append(("args", text))
+        elif self._state != "between":
+            out[self._state] += text
 
     def feed(self, text: str) -> tuple[str, str]:
         """(reasoning, answer) that may be shown now."""
@@ -135,17 +160,15 @@ class ChannelSplitter:
                     self._header = pending
                     break
                 header, pending = pending[:at], pending[at + len(marker):]
-                self._state = _channel_of(header) if marker == MESSAGE else "between"
-            else:  # a message body (reasoning, answer, hidden), or "between" messages (dropped)
+                self._state = self._open(header) if marker == MESSAGE else "between"
+            else:  # a message body (reasoning, answer, hidden, call), or "between" messages (dropped)
                 at, marker = _first(pending, _BODY_ENDS + _HEADS)
                 if at < 0:
                     keep = max(_partial(pending, m) for m in _BODY_ENDS + _HEADS)
-                    if self._state != "between":
-                        out[self._state] += pending[: len(pending) - keep]
+                    self._emit(out, pending[: len(pending) - keep])
                     self._held = pending[len(pending) - keep:]
                     break
-                if self._state != "between":
-                    out[self._state] += pending[:at]
+                self._emit(out, pending[:at])
                 if marker in _HEADS:
                     self._state, pending = "header", pending[at:]
                 else:
@@ -157,6 +180,10 @@ class ChannelSplitter:
         marker's start held when the reply was ``cut``, as for ``ThinkSplitter.flush``)."""
         held, self._held, self._header = self._held, "", ""
         if cut:
+            return "", ""
+        if self._state == "call":  # a call ends the reply at <|call|>, which renders as no text
+            out = {"reasoning": "", "answer": ""}
+            self._emit(out, held)
             return "", ""
         if self._state == "reasoning":
             return held, ""

@@ -2,8 +2,9 @@
 
 Unknown fields are ignored, as OpenAI clients send many (``user``, ``stream_options``...); a known
 field of the wrong type is a 400, and null is the field's default wherever OpenAI allows null. The
-fields bmoe cannot honour (``tools``, ``echo``, ``suffix``, ``best_of`` > 1...) are declared here so
-that the engine refuses them by name instead of their being dropped unseen. Semantic checks
+fields bmoe cannot honour (``functions``, ``echo``, ``suffix``, ``best_of`` > 1...) are declared here so
+that the engine refuses them by name instead of their being dropped unseen. ``tools`` are checked by
+the engine too (``bmoe.engine.tools``: a bad one is a 400 whose ``param`` is ``tools``). Semantic checks
 (max_tokens > 0, messages well formed, a prompt that fits the context, n == 1) are the engine's
 (``bmoe.engine.completions.prepare_*``), so the Python API and the server refuse the same things.
 """
@@ -61,6 +62,7 @@ class ChatRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
 
