@@ -193,3 +193,47 @@ def test_the_checks_reads_are_not_counted_as_the_opens(tiny, monkeypatch) -> Non
     monkeypatch.setattr(session_module, "check_first_open", check)
     with session_module.Session.open(tiny.path(TinySpec()), RunConfig(n_ctx=256)) as s:
         assert s.open_bytes_read == 0, "only the check 'read': nothing of this open's own"
+
+
+def test_a_size_that_multiplies_into_a_runaway_allocation_is_one_line_at_the_childs_cap(tiny, tmp_path: Path) -> None:
+    """qwen35moe's ssm.inner_size = 0xffffffff sizes a 16 GiB recurrent state: uncapped, the child
+    grew past 10 GB. Under its memory cap the allocation is refused and the verdict says so. The
+    same file with its own inner size passes under the same cap (the cap refuses the value, not
+    the model). Python's checks are bypassed (read_layout) so that the child meets the value."""
+    good = tiny.path(TinySpec(arch="qwen35moe"))
+    memo = tmp_path / "memo.txt"
+    assert isolate.check_first_open(read_layout(good), memo=memo) is True
+    bad = _edited(good, tmp_path / "inner.gguf", "qwen35moe.ssm.inner_size", 0xFFFFFFFF)
+    with pytest.raises(ModelFileError, match=r"first open needed more than \d+ MiB.*failed to allocate") as e:
+        isolate.check_first_open(read_layout(bad), memo=memo)
+    assert "\n" not in str(e.value) and "SIGKILL" not in str(e.value)
+
+
+def _killed_child(monkeypatch: pytest.MonkeyPatch, oom_counts: list[int | None]) -> None:
+    """A child that dies of SIGKILL, as the OOM killer ends one, and the cgroup's oom_kill count
+    the parent reads before and after it."""
+    from bmoe.pipeline.cgroup import CgroupMemory
+
+    killer = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    monkeypatch.setattr(isolate, "_child_command", lambda path: [sys.executable, "-c", killer])
+    counts = iter(oom_counts + [oom_counts[-1]] * 4)
+    monkeypatch.setattr(isolate, "read_cgroup_memory", lambda: CgroupMemory(
+        limit=512 << 20, usage=500 << 20, file_pages=0, what="memory.max", oom_kills=next(counts)))
+
+
+def test_a_child_the_containers_oom_killer_ends_is_blamed_on_the_limit_not_the_file(
+        tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from bmoe.errors import BudgetError
+
+    layout = read_layout(tiny.path(TinySpec()))
+    _killed_child(monkeypatch, [3, 4])
+    with pytest.raises(BudgetError, match=r"killed by the container's memory limit \(512 MiB, memory\.max\)") as e:
+        isolate.check_first_open(layout, memo=tmp_path / "memo.txt")
+    assert "llama.cpp kills" not in str(e.value)
+    # Negative control: no OOM kill counted in the cgroup meanwhile: a SIGKILL still not blamed on
+    # the file, nor on the container.
+    _killed_child(monkeypatch, [4, 4])
+    with pytest.raises(BudgetError, match=r"killed \(SIGKILL, which llama.cpp never sends") as e:
+        isolate.check_first_open(layout, memo=tmp_path / "memo.txt")
+    assert "container" not in str(e.value)
+    assert not (tmp_path / "memo.txt").exists()

@@ -12,6 +12,15 @@ sizes its work from) and size, and by the llama.cpp pin, so the check is paid on
 inode and mtime: a file rewritten in place with its mtime set back kept the verdict of the bytes
 it replaced, and a value llama.cpp aborts on was then loaded in the user's process.
 
+The child's private writable memory is capped (``RLIMIT_DATA``), so that a size llama.cpp
+multiplies into an allocation (a recurrent state sized by ``ssm.inner_size`` = 0xffffffff grew a
+child past 10 GB) ends as one line, not as a machine driven into swap or the OOM killer: while it
+opens the file, at the largest anonymous allocation an open of this file makes plus a margin;
+once it is open, at what it holds then plus what a 64-token context may need. Not ``RLIMIT_AS``:
+that counts the file mappings and the reserved open's bank, which cost no memory, and the open
+reads it to choose its mode. In a container, a child the cgroup's OOM killer ended is said to be,
+with the limit, and not blamed on the file.
+
 ``BMOE_ISOLATE=0`` turns the check off (the test suite's many tiny models);
 ``BMOE_ISOLATE_TIMEOUT`` sets the time limit in seconds.
 
@@ -30,8 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from bmoe._version import __version__
-from bmoe.errors import ConfigError, ModelFileError
+from bmoe.errors import BmoeError, BudgetError, ConfigError, ModelFileError
 from bmoe.io.layout import ModelLayout
+from bmoe.pipeline.cgroup import read_cgroup_memory
 
 ENV_SWITCH = "BMOE_ISOLATE"
 ENV_TIMEOUT = "BMOE_ISOLATE_TIMEOUT"
@@ -46,6 +56,15 @@ MEMO_MAX_LINES = 4096  # a bounded memo: the oldest keys are forgotten first
 _TEST_PROMPT = "Hello"
 _TEST_TOKENS = 2
 _ASSERT_LINE = re.compile(r"([^/\s]+:\d+: .*)$")
+# The child's memory cap: the interpreter, numpy and llama.cpp's own bookkeeping, plus per thread
+# a stack and what the decode's threads allocate. A 64-token context's KV and compute buffers are
+# tens of MiB even for the largest supported models.
+CAP_MARGIN = 1 << 30
+CAP_PER_THREAD = 32 << 20
+_CAP_LINE = re.compile(r"^bmoe: memory cap (\d+)$", re.M)
+_OUT_OF_MEMORY = ("failed to allocate", "insufficient memory", "bad_alloc", "cannot allocate memory",
+                  "out of memory", "memoryerror")
+MiB = 1 << 20
 
 
 def enabled() -> bool:
@@ -145,10 +164,20 @@ def check_first_open(layout: ModelLayout, *, timeout_s: float | None = None, mem
     return True
 
 
+def _child_command(path: Path) -> list[str]:
+    return [sys.executable, "-m", "bmoe.llama.isolate", str(path)]
+
+
+def _oom_kills() -> int | None:
+    limits = read_cgroup_memory()
+    return None if limits is None else limits.oom_kills
+
+
 def _run_child(layout: ModelLayout, timeout_s: float) -> None:
     path = layout.shards[0]
     env = os.environ | {ENV_SWITCH: "0", "GGML_NO_BACKTRACE": "1"}
-    cmd = [sys.executable, "-m", "bmoe.llama.isolate", str(path)]
+    cmd = _child_command(path)
+    oom_before = _oom_kills()
     try:
         child = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
@@ -171,14 +200,40 @@ def _run_child(layout: ModelLayout, timeout_s: float) -> None:
         raise
     if child.returncode == 0:
         return
-    text = err.decode(errors="replace")
-    if child.returncode < 0:
-        sig = signal.Signals(-child.returncode).name
-        raise ModelFileError(
-            f"{path}: llama.cpp kills the process on this file ({sig} in a test open in a child process): "
-            f"{_assertion(text)}"
+    raise verdict(layout, child.returncode, err.decode(errors="replace"), oom_before, _oom_kills())
+
+
+def verdict(layout: ModelLayout, returncode: int, stderr: str, oom_before: int | None,
+            oom_after: int | None) -> BmoeError:
+    """The one-line error a failed child becomes. A SIGKILL is never llama.cpp's (it aborts):
+    the cgroup's OOM killer when its count rose meanwhile, else the kernel's or someone's; an
+    allocation refused at the child's cap is the file's values asking for more than it may."""
+    path = layout.shards[0]
+    if returncode == -signal.SIGKILL:
+        limits = read_cgroup_memory()
+        if oom_before is not None and oom_after is not None and oom_after > oom_before and limits is not None:
+            return BudgetError(
+                f"{path}: the test open of this file in a child process was killed by the container's memory "
+                f"limit ({limits.limit // MiB} MiB, {limits.what}); the model's dense part alone is "
+                f"{layout.dense_bytes // MiB} MiB: give the container more memory"
+            )
+        return BudgetError(
+            f"{path}: the test open of this file in a child process was killed (SIGKILL, which llama.cpp never "
+            "sends: the kernel's OOM killer when memory ran out, or another process)"
         )
-    raise ModelFileError(f"{path}: a test open in a child process failed: {_last_error(text)}")
+    caps = _CAP_LINE.findall(stderr)
+    if caps and any(word in stderr.lower() for word in _OUT_OF_MEMORY):
+        return ModelFileError(
+            f"{path}: the file's first open needed more than {int(caps[-1]) // MiB} MiB, the cap of a test open of "
+            f"this file (a size in its metadata multiplies into an allocation no real model makes): {_last_error(stderr)}"
+        )
+    if returncode < 0:
+        sig = signal.Signals(-returncode).name
+        return ModelFileError(
+            f"{path}: llama.cpp kills the process on this file ({sig} in a test open in a child process): "
+            f"{_assertion(stderr)}"
+        )
+    return ModelFileError(f"{path}: a test open in a child process failed: {_last_error(stderr)}")
 
 
 def _assertion(stderr: str) -> str:
@@ -187,12 +242,12 @@ def _assertion(stderr: str) -> str:
         if "GGML_ASSERT" in line or "GGML_ABORT" in line or "fatal error" in line:
             m = _ASSERT_LINE.search(line.strip())
             return m[1] if m else line.strip()
-    last = [line for line in stderr.splitlines() if line.strip()]
+    last = [line for line in stderr.splitlines() if line.strip() and not _CAP_LINE.match(line.strip())]
     return last[-1].strip() if last else "no message"
 
 
 def _last_error(stderr: str) -> str:
-    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    lines = [line.strip() for line in stderr.splitlines() if line.strip() and not _CAP_LINE.match(line.strip())]
     for line in reversed(lines):
         if line.startswith("bmoe: error: "):
             return line[len("bmoe: error: ") :]
@@ -204,18 +259,20 @@ def _child(path: str) -> int:
     import numpy as np
 
     from bmoe.llama.callback import EvalCallback
-    from bmoe.llama.loader import open_model
-    from bmoe.llama.seam import LlamaModel
-    from bmoe.errors import BmoeError
+    from bmoe.llama.loader import open_model, user_alloc_bytes
+    from bmoe.llama.seam import LlamaModel, last_llama_error
     from bmoe.io.layout import read_layout
     from bmoe.io.regions import unmap
     from bmoe.pipeline.gate import RoutingGate
 
     try:
         layout = read_layout(path)
+        threads = len(os.sched_getaffinity(0))
+        margin = CAP_MARGIN + CAP_PER_THREAD * threads
+        _cap_data(user_alloc_bytes(layout) + _data_bytes() + margin)  # the largest open's one buffer
         opened = open_model(layout, streaming=True, mode="auto")
         zeros = _zero_experts(opened, layout) if opened.open_mode == "reserved" else []
-        threads = len(os.sched_getaffinity(0))
+        _cap_data(_data_bytes() + margin)  # open: what it holds, and a 64-token context's room
         model = LlamaModel(opened, n_ctx=64, n_threads=threads, callback=EvalCallback(RoutingGate()), install=False)
         try:
             tokens = model.tokenize(_TEST_PROMPT)[:2] or [0]
@@ -229,9 +286,37 @@ def _child(path: str) -> int:
             for addr, length in zeros:
                 unmap(addr, length)
     except BmoeError as e:
-        print(f"bmoe: error: {e}", file=sys.stderr)
+        said = last_llama_error()
+        print(f"bmoe: error: {e}" + (f" ({said})" if said and said not in str(e) else ""), file=sys.stderr)
+        return 1
+    except MemoryError:
+        print("bmoe: error: MemoryError: an allocation was refused", file=sys.stderr)
         return 1
     return 0
+
+
+def _data_bytes() -> int:
+    """This process's private writable memory now (VmData: what ``RLIMIT_DATA`` counts)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
+def _cap_data(nbytes: int) -> None:
+    """Lower ``RLIMIT_DATA`` to ``nbytes`` (never above a hard limit already set), and say so on
+    stderr for the parent's verdict."""
+    import resource
+
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    if hard != resource.RLIM_INFINITY:
+        nbytes = min(nbytes, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_DATA, (nbytes, hard))
+    except (OSError, ValueError):
+        return
+    print(f"bmoe: memory cap {nbytes}", file=sys.stderr, flush=True)
 
 
 def _zero_experts(opened: Any, layout: ModelLayout) -> list[tuple[int, int]]:
