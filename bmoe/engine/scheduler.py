@@ -66,8 +66,16 @@ class StepFigures:
     batch_sizes: list[int] = field(default_factory=list)  # sequences per decode step (last 4096)
     decode_wall_s: float = 0.0
     prompt_wall_s: float = 0.0
+    # Streamed runs: expert bytes read and time the compute thread waited for reads, decode steps
+    # only (None when resident: nothing is read).
+    decode_bytes_read: int | None = None
+    decode_wait_s: float | None = None
 
-    def note_decode(self, n_seqs: int, n_tokens: int, emitted: int, wall_s: float) -> None:
+    def note_decode(self, n_seqs: int, n_tokens: int, emitted: int, wall_s: float, delta=None) -> None:  # noqa: ANN001
+        """One decode step; ``delta``: the pipeline counters' change over it (streamed)."""
+        if delta is not None:
+            self.decode_bytes_read = (self.decode_bytes_read or 0) + delta.bytes_read
+            self.decode_wait_s = (self.decode_wait_s or 0.0) + delta.blocked_s
         self.decode_steps += 1
         self.decode_tokens += n_tokens
         self.emitted_tokens += emitted
@@ -451,7 +459,7 @@ class Scheduler:
             self._cut(slot, n0 + accepted + 1)  # the inputs after the first wrong draft token go
             seq.last = None if seq.done else token
             index += len(run)
-        self.figures.note_decode(len(seqs), len(tokens), emitted, m.wall_s)
+        self.figures.note_decode(len(seqs), len(tokens), emitted, m.wall_s, m.delta)
 
     async def _measured(self, step: Step, phase: int):  # noqa: ANN202 - a session._Measure
         if self.host.closed:
