@@ -19,6 +19,14 @@ On one prompt, in this order:
 6. ``--squeeze GB``: the auto run again, with a second balloon of that size inflated halfway through
    the measured generation: decode tok/s and the budget before and after.
 
+``--rounds N`` runs the configurations interleaved, N times (A B C A B C ...): a change in the
+machine's load between two configurations spreads over both instead of reading as a difference
+between them. Each figure is the median of its rounds, beside its spread, the load average and a
+disk probe taken before each child; the ratios are of the medians (``bmoe.bench.rounds``).
+``--busy N`` keeps N processes spinning beside the engine through the runs (``bmoe.bench.busy``);
+``--disk-limit MiB/s`` holds the streamed runs' reads to that rate (``bmoe.stages.read``: cgroup
+``io.max`` where writable, else a token bucket in the read lanes; the report says which).
+
 The like-for-like baseline is llama.cpp's own mmap without repacking (``mmap_norepack``: bmoe's
 resident mode, which is llama.cpp with ``use_extra_bufts`` off), the best a llama.cpp user can do
 with a model bigger than RAM; stock llama-cpp-python (``mmap``, ``stock_tok_s``) repacks q4_0 into
@@ -55,7 +63,7 @@ import json
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -66,6 +74,7 @@ from bmoe.bench.balloon import Balloon, BalloonPlan, GiB, available_bytes, cgrou
 from bmoe.bench.machine import machine_info
 from bmoe.bench.options import (
     GIB_VALUE,
+    MIB_S,
     PROMPT,
     SECONDS,
     TTFT_LENGTHS,
@@ -73,13 +82,15 @@ from bmoe.bench.options import (
     int_list,
     mib_list,
 )
-from bmoe.bench.plan import Run, plan_runs
+from bmoe.bench.busy import Spinners
+from bmoe.bench.plan import Outcome, Run, plan_runs
 from bmoe.bench.report import key_figures_markdown, markdown_table, out_dir_for, write_report
-from bmoe.bench.summary import Probes, summarize
+from bmoe.bench.summary import Conditions, Probes, summarize
 from bmoe.errors import BmoeError
 from bmoe.io.layout import split_shard_paths
 from bmoe.io.paths import check_output, check_output_dir, check_plot_output
 from bmoe.pipeline.budget import read_meminfo
+from bmoe.stages.read import disk_limit_plan
 
 LANES = (1, 2, 4, 8)
 
@@ -108,6 +119,13 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
                    help="a sweep of fixed cache budgets in MiB (forced, pressure guard off)")
     p.add_argument("--ttft", type=int_list, default=TTFT_LENGTHS, metavar="N,...",
                    help="prompt lengths (tokens) whose time to first token the auto run measures; 0 = none")
+    p.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="run every configuration N times, interleaved (A B C A B C ...): each figure is the "
+                        "median of its rounds, with its spread")
+    p.add_argument("--busy", type=int, default=0, metavar="N",
+                   help="N processes spinning on a core each beside the engine during the runs (a busy machine)")
+    p.add_argument("--disk-limit", type=MIB_S, default=None, metavar="MiB/s",
+                   help="the streamed runs read at most this many MiB/s (a slower disk; the report says how)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="PNG path (default: in --out)")
     p.add_argument("--out", type=Path, default=None, metavar="DIR",
@@ -136,6 +154,11 @@ def run_bench_command(args: argparse.Namespace, host: Host | None = None) -> int
         print(markdown_table(result["runs"]))
         print()
         print(key_figures_markdown(result))
+    statuses = [row["status"] for row in result["runs"]]
+    if "measured" not in statuses:  # a report of nothing is a failure, said in one line
+        print(f"bmoe bench: every configuration failed ({statuses.count('failed')} failed, "
+              f"{statuses.count('skipped')} skipped); report in {result['files']['dir']}", file=sys.stderr)
+        return 1
     print(f"bmoe bench: report in {result['files']['dir']}", file=sys.stderr)
     return 0
 
@@ -153,10 +176,18 @@ class Host:
     meminfo: Callable[[], Mapping[str, int]] = read_meminfo
     cgroup_room: Callable[[], int | None] = cgroup_room
     balloon: Callable[[int], Balloon] = Balloon
-    execute: Callable[[Run, Path, BenchOptions, Path], side.Outcome] = side.execute
+    execute: Callable[[Run, Path, BenchOptions, Path], Outcome] = side.execute
+    spinners: Callable[[int], Spinners] = Spinners
 
     def available(self) -> int:
         return available_bytes(self.meminfo(), self.cgroup_room())[0]
+
+
+def disk_limit_how(opts: BenchOptions, shards: Sequence[Path]) -> str | None:
+    """How the streamed runs' engines hold ``--disk-limit``: the same choice they make at open."""
+    if opts.disk_limit_mib_s is None:
+        return None
+    return disk_limit_plan(shards, opts.disk_limit_mib_s)[1]
 
 
 def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda _l: None,
@@ -193,7 +224,25 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda _l: None,
     probes = [probe(n) for n in sorted(set(LANES) | {opts.io_threads})]
     probe_fresh = probe(FRESH_LANES * opts.io_threads, fresh=True)  # the lanes a fresh cache's reads run on
 
+    def run_side(run: Run, round_no: int, scratch: Path) -> None:
+        """One round of ``run``: the device probed at the runs' lanes, the file dropped from the
+        page cache, the memory and load noted, then its child."""
+        what = f" before {run.id}" + (f", round {round_no + 1} of {opts.rounds}" if opts.rounds > 1 else "")
+        row_probe = probe(opts.io_threads, what)["mib_s"]
+        evict_file_cache(layout.shards)
+        mem, load = host.available(), os.getloadavg()[0]
+        log(f"{run.label}: running" + (f" (round {round_no + 1} of {opts.rounds})" if opts.rounds > 1 else ""))
+        outcome = host.execute(run, model, opts, scratch)
+        outcome.mem_available_before, outcome.load_before, outcome.probe_mib_s = mem, load, row_probe
+        run.rounds.append(outcome)
+        if outcome.error:
+            log(f"{run.label}: failed: {outcome.error}")
+        else:
+            tok_s = (outcome.result or {}).get("stats", {}).get("tok_per_s")
+            log(f"{run.label}: {'n/a' if tok_s is None else f'{tok_s:.2f}'} tok/s")
+
     balloon_info: dict[str, Any] = {"limit_bytes": opts.ram_limit_bytes}
+    busy_info: dict[str, Any] = {"processes": opts.busy}
     with side.terminate_as_exit(), tempfile.TemporaryDirectory(prefix="bmoe-bench-") as scratch:
         balloon = host.balloon(plan.lock_bytes) if plan is not None and plan.lock_bytes > 0 else None
         try:
@@ -209,29 +258,28 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda _l: None,
             balloon_info["room_how"] = avail_how
             budget_room = min(avail_now, opts.ram_limit_bytes) if opts.ram_limit_bytes else avail_now
             runs = plan_runs(layout, opts, budget_room)
+            with host.spinners(opts.busy) as spinners:
+                busy_info["pids"] = spinners.pids
+                for round_no in range(opts.rounds):
+                    for run in runs:
+                        if run.skip is None and balloon is not None and not balloon.alive():
+                            run.skip = "the memory balloon died (OOM kill?): the RAM limit no longer holds"
+                        if run.skip is not None:
+                            if round_no == 0:
+                                log(f"{run.label}: skipped: {run.skip}")
+                            continue
+                        run_side(run, round_no, Path(scratch))
+                busy_info["alive_at_end"] = spinners.alive()
             for run in runs:
-                if run.skip is None and balloon is not None and not balloon.alive():
-                    run.skip = "the memory balloon died (OOM kill?): the RAM limit no longer holds"
-                if run.skip is not None:
-                    log(f"{run.label}: skipped: {run.skip}")
-                    continue
-                evict_file_cache(layout.shards)
-                run.mem_available_before = host.available()
-                run.load_before = os.getloadavg()[0]
-                log(f"{run.label}: running")
-                outcome = host.execute(run, model, opts, Path(scratch))
-                run.result, run.error = outcome.result, outcome.error
-                if run.error:
-                    log(f"{run.label}: failed: {run.error}")
-                else:
-                    tok_s = (run.result or {}).get("stats", {}).get("tok_per_s")
-                    log(f"{run.label}: {'n/a' if tok_s is None else f'{tok_s:.2f}'} tok/s")
+                run.settle()
             balloon_info["alive_at_end"] = balloon.alive() if balloon is not None else None
             balloon_info["available_at_end_bytes"] = host.available()
         finally:
             if balloon is not None:
                 balloon.release()
     probe_end = probe(opts.io_threads, " again, after the runs")  # how far the device's rate drifted
-    result = summarize(runs, Probes(probes, probe_fresh, probe_end), layout, opts, machine, balloon_info, started)
+    busy_info["how"] = Spinners(opts.busy).how if opts.busy else "none: the machine as it was"
+    result = summarize(runs, Probes(probes, probe_fresh, probe_end), layout, opts, machine,
+                       Conditions(balloon_info, busy_info, disk_limit_how(opts, layout.shards)), started)
     write_report(result, out_dir, opts.plot)
     return result

@@ -21,6 +21,9 @@ PROMPT = "The quick brown fox jumps over the lazy dog, and the experts stream fr
 WARMUP_PROMPT = "Warm-up: a different prompt, so the measured routing is not pre-read."
 TTFT_LENGTHS = (5, 50, 200, 1000)
 SQUEEZE_TOKENS_CAP = 4  # a squeezed generation runs on to at most this many times --tokens
+MAX_ROUNDS = 100
+MAX_BUSY = 256
+MAX_DISK_LIMIT = 1 << 20  # MiB/s: 1 TiB/s, past any disk
 
 
 def _positive(hi: float, what: str) -> Callable[[str], float]:
@@ -30,6 +33,7 @@ def _positive(hi: float, what: str) -> Callable[[str], float]:
 
 GIB_VALUE = _positive(1 << 20, "GiB")  # --ram-limit, --squeeze
 SECONDS = _positive(1e7, "seconds")  # --timeout, --stock-timeout
+MIB_S = _positive(MAX_DISK_LIMIT, "MiB/s")  # --disk-limit
 
 
 def mib_list(text: str) -> tuple[float, ...]:
@@ -70,6 +74,9 @@ class BenchOptions:
     squeeze_bytes: int | None = None
     budgets_mib: tuple[float, ...] = ()
     ttft_lengths: tuple[int, ...] = TTFT_LENGTHS
+    rounds: int = 1  # every configuration this many times, interleaved (A B C A B C ...)
+    busy: int = 0  # spinning processes beside the engine during the measured runs
+    disk_limit_mib_s: float | None = None  # the streamed runs' read lanes land at most this many MiB/s
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> BenchOptions:
@@ -80,6 +87,7 @@ class BenchOptions:
             timeout_s=args.timeout, out=args.out, plot=args.plot, stock_timeout_s=args.stock_timeout,
             squeeze_bytes=None if args.squeeze is None else int(args.squeeze * GiB),
             budgets_mib=tuple(args.budgets), ttft_lengths=tuple(args.ttft),
+            rounds=args.rounds, busy=args.busy, disk_limit_mib_s=args.disk_limit,
         )
 
     def validate(self) -> BenchOptions:
@@ -93,6 +101,14 @@ class BenchOptions:
             raise ConfigError(f"--io-threads must be 1..64, got {self.io_threads}")
         if self.threads is not None and not 1 <= self.threads <= 512:
             raise ConfigError(f"--threads must be 1..512, got {self.threads}")
+        if not 1 <= self.rounds <= MAX_ROUNDS:
+            raise ConfigError(f"--rounds must be 1..{MAX_ROUNDS}, got {self.rounds}")
+        if not 0 <= self.busy <= MAX_BUSY:
+            raise ConfigError(f"--busy must be 0..{MAX_BUSY}, got {self.busy}")
+        if self.disk_limit_mib_s is not None and not (math.isfinite(self.disk_limit_mib_s)
+                                                      and 0 < self.disk_limit_mib_s <= MAX_DISK_LIMIT):
+            raise ConfigError(f"--disk-limit must be above 0 and at most {MAX_DISK_LIMIT} MiB/s, "
+                              f"got {self.disk_limit_mib_s}")
         if not 16 <= self.n_ctx <= MAX_CTX:
             raise ConfigError(f"the runs need a context of {self.n_ctx} tokens (--ctx, or the longest --ttft prompt "
                               f"plus --tokens); at most {MAX_CTX}")

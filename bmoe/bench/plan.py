@@ -12,15 +12,32 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bmoe.bench.balloon import GiB
-from bmoe.bench.options import MiB, BenchOptions
+from bmoe.bench.options import BenchOptions, MiB
+from bmoe.bench.rounds import median_of, median_tree
 
 RUN_HEADROOM = 512 * MiB  # beyond the weights a run needs: KV, compute buffers, the interpreter
 STREAMED = ("stream_off", "overlap", "stream_below_ws", "stream_half_bank", "stream_auto")  # for stream_tok_s
 
 
 @dataclass
+class Outcome:
+    """One child's end: its result (possibly kept from a timeout after the measured generation,
+    with a warning saying what is missing), or the error that is its row's note; and the machine
+    as the child started: memory available, the 1-minute load average, the disk probe's MiB/s."""
+
+    result: dict[str, Any] | None = None
+    error: str | None = None
+    mem_available_before: int | None = None
+    load_before: float | None = None
+    probe_mib_s: float | None = None
+
+
+@dataclass
 class Run:
-    """One configuration: its child spec, or the reason it is skipped; then what it measured."""
+    """One configuration: its child spec, or the reason it is skipped; then what it measured:
+    one ``Outcome`` a round, folded by ``settle`` into ``result`` (each number the median of the
+    rounds that measured it), ``error`` (only when no round measured) and the medians of the
+    memory and load the children started with."""
 
     id: str
     label: str
@@ -36,6 +53,15 @@ class Run:
     load_before: float | None = None  # 1-minute load average when the child started
     timeout_s: float | None = None  # this run's own bound (default: --timeout)
     extra: dict[str, Any] = field(default_factory=dict)  # child spec additions (ttft, squeeze)
+    rounds: list[Outcome] = field(default_factory=list)  # one per round run (--rounds), in order
+
+    def settle(self) -> None:
+        results = [o.result for o in self.rounds if o.result is not None]
+        self.result = median_tree(results)
+        self.error = None if results or not self.rounds else self.rounds[-1].error
+        mem = median_of(o.mem_available_before for o in self.rounds)
+        self.mem_available_before = None if mem is None else int(mem)
+        self.load_before = median_of(o.load_before for o in self.rounds)
 
 
 # Interpreter, llama.cpp's KV and compute buffers, read lanes: measured about 130 MiB on small
@@ -119,5 +145,9 @@ def plan_runs(layout: Any, opts: BenchOptions, available: int) -> list[Run]:
                             f"the {available / GiB:.2f} GiB available leave beside the dense part and the run's "
                             "headroom: the locked balloon would push the run or other programs out of memory")
         runs.append(squeeze)
+    if opts.disk_limit_mib_s is not None:  # the limit sits in the read lanes: streamed runs have them
+        for run in runs:
+            if run.config.get("mode") == "stream":
+                run.config["disk_limit_mib_s"] = opts.disk_limit_mib_s
     return runs
 

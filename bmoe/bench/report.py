@@ -4,6 +4,7 @@ rows, the JSON object whole, and the plot; and the folder they go in. Nothing he
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 from datetime import datetime
@@ -14,12 +15,13 @@ from bmoe.bench.balloon import GiB
 from bmoe.bench.options import BenchOptions, MiB
 from bmoe.bench.summary import rounded
 from bmoe.errors import ConfigError
+from bmoe.io.outputs import save_figure, write_text_output
 
 
-COLUMNS = ("config", "status", "tok_s", "read_mib_s", "hit_pct", "disk_mib_per_token", "peak_rss_mib",
-           "open_s", "identical_tokens", "notes")
-HEADERS = ("config", "status", "tok/s", "read MiB/s", "hit %", "disk MiB/token", "peak RSS MiB",
-           "open s", "same tokens", "notes")
+COLUMNS = ("config", "status", "tok_s", "tok_s_spread", "read_mib_s", "hit_pct", "disk_mib_per_token",
+           "peak_rss_mib", "open_s", "identical_tokens", "load_before", "probe_mib_s", "notes")
+HEADERS = ("config", "status", "tok/s", "± tok/s", "read MiB/s", "hit %", "disk MiB/token", "peak RSS MiB",
+           "open s", "same tokens", "load", "probe MiB/s", "notes")
 
 
 def _cell(v: Any) -> str:
@@ -38,7 +40,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 KEYS = ("device_read_mb_s", "stream_cache_off_read_mb_s", "resident_tok_s", "mmap_norepack_tok_s", "stock_tok_s",
         "stream_tok_s", "stream_auto_tok_s", "all_cached_tok_s", "p1_all_cached_over_resident", "p2_read_over_device",
-        "p3_stream_over_mmap", "p3_auto_over_mmap", "identical_tokens")
+        "p3_stream_over_mmap", "p3_auto_over_mmap", "best_fixed_tok_s", "auto_over_best_fixed", "identical_tokens")
 
 
 def key_figures_markdown(result: dict[str, Any]) -> str:
@@ -115,6 +117,12 @@ def report_markdown(result: dict[str, Any]) -> str:
         (f"- tokens measured: {c['tokens']} after a {c['warmup_tokens']}-token warm-up; {c['threads']} threads, "
          f"{c['io_threads']} I/O lanes, n_ctx {c['n_ctx']}"),
         f"- RAM limit: {limit}",
+        f"- rounds: {c.get('rounds', 1)}" + (" (each figure the median of its rounds; ± tok/s: largest less smallest)"
+                                            if c.get("rounds", 1) > 1 else ""),
+        f"- busy: {result.get('busy') or 0} spinning process(es)" + (
+            f" ({result['how'].get('busy', '')})" if result.get("busy") else ""),
+        "- disk limit: " + ("none" if c.get("disk_limit_mib_s") is None else
+                            f"{c['disk_limit_mib_s']:g} MiB/s, by {c.get('disk_limit_how')}"),
         f"- prompt: {c['prompt']!r}",
         "",
         "## Runs",
@@ -123,7 +131,9 @@ def report_markdown(result: dict[str, Any]) -> str:
         "",
         ("read MiB/s: streamed rows, the engine's rate over its read windows; resident and mmap rows, "
          "storage reads (/proc/self/io read_bytes) over the measured generation's wall time. disk MiB/token: "
-         "/proc/self/io read_bytes of the measured generation per generated token (prefill included)."),
+         "/proc/self/io read_bytes of the measured generation per generated token (prefill included). load: the "
+         "1-minute load average as the row's child started; probe MiB/s: the disk probed at the runs' lanes right "
+         "before it (medians over the rounds)."),
         "",
         *_extras_markdown(result),
         "## Device probe",
@@ -142,7 +152,8 @@ def report_markdown(result: dict[str, Any]) -> str:
 
 
 CSV_COLUMNS = ("id", "config", "status", "tok_s", "read_mib_s", "hit_pct", "disk_mib_per_token", "peak_rss_mib",
-               "open_s", "budget_mib", "identical_tokens", "mem_available_before_mib", "load_before", "notes")
+               "open_s", "budget_mib", "identical_tokens", "mem_available_before_mib", "load_before", "notes",
+               "rounds", "tok_s_spread", "probe_mib_s", "noisy")
 
 
 def write_report(result: dict[str, Any], out_dir: Path, plot: Path | None) -> None:
@@ -150,13 +161,15 @@ def write_report(result: dict[str, Any], out_dir: Path, plot: Path | None) -> No
     files = {"dir": str(out_dir), "markdown": str(out_dir / "bench.md"), "csv": str(out_dir / "bench.csv"),
              "json": str(out_dir / "bench.json"), "png": str(plot or out_dir / "bench.png")}
     result["files"] = files
-    with open(files["csv"], "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(CSV_COLUMNS), extrasaction="ignore")
-        w.writeheader()
-        w.writerows(result["runs"])
-    Path(files["markdown"]).write_text(report_markdown(result))
+    # Each file through a temporary renamed over its name: a link there is replaced, not written through.
+    table = io.StringIO(newline="")
+    w = csv.DictWriter(table, fieldnames=list(CSV_COLUMNS), extrasaction="ignore")
+    w.writeheader()
+    w.writerows(result["runs"])
+    write_text_output(Path(files["csv"]), table.getvalue())
+    write_text_output(Path(files["markdown"]), report_markdown(result))
     write_plot(result, Path(files["png"]))
-    Path(files["json"]).write_text(json.dumps(result, indent=1, default=str))
+    write_text_output(Path(files["json"]), json.dumps(result, indent=1, default=str))
 
 
 def write_plot(result: dict[str, Any], path: Path) -> None:
@@ -196,7 +209,7 @@ def write_plot(result: dict[str, Any], path: Path) -> None:
                  + (f", RAM limit {limit / GiB:.2f} GiB" if limit else "")
                  + f" — {result['machine']['cpu_model']}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 

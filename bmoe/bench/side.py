@@ -15,23 +15,13 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bmoe.bench.options import WARMUP_PROMPT, BenchOptions
-from bmoe.bench.plan import Run
+from bmoe.bench.plan import Outcome, Run
 
 Spawn = Callable[..., "subprocess.CompletedProcess[str]"]
-
-
-@dataclass
-class Outcome:
-    """One child's end: its result (possibly kept from a timeout after the measured generation,
-    with a warning saying what is missing), or the error that is its row's note."""
-
-    result: dict[str, Any] | None = None
-    error: str | None = None
 
 
 def child_spec(run: Run, model: Path, opts: BenchOptions) -> dict[str, Any]:

@@ -7,12 +7,13 @@ reason in ``notes``, never 0."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
 from bmoe.bench.options import WARMUP_PROMPT, BenchOptions, MiB
 from bmoe.bench.plan import STREAMED, Run
+from bmoe.bench.rounds import flag_noisy, median_of, spread
 
 
 def rounded(value: float | None, digits: int = 2) -> float | None:
@@ -85,6 +86,52 @@ def run_row(run: Run, reference: list[int] | None, ref_id: str | None) -> dict[s
     row["mem_available_before_mib"] = rounded(run.mem_available_before / MiB, 0) if run.mem_available_before else None
     row["load_before"] = rounded(run.load_before)
     return row
+
+
+# The row's figures that each round measures, with the digits they are shown with.
+ROUND_FIGURES = {"tok_s": 2, "read_mib_s": 1, "hit_pct": 1, "disk_mib_per_token": 3, "peak_rss_mib": 1, "open_s": 3}
+
+
+def row_of(run: Run, reference: list[int] | None, ref_id: str | None) -> dict[str, Any]:
+    """``run``'s row over its rounds: each figure the median of the rounds that measured it
+    (``median``), beside its spread (largest less smallest, ``spread``), the 1-minute load average
+    and the disk probe's MiB/s as each round's child started (``loadavg``, ``probe_mib_s_rounds``;
+    ``probe_mib_s`` their median); the greedy tokens equal the reference's only if every round's
+    are. One round: the median is that round's figure, the spread null."""
+    row = run_row(run, reference, ref_id)
+    rounds = [run_row(replace(run, result=o.result, error=o.error, rounds=[]), reference, ref_id)
+              for o in run.rounds]
+    measured = [r for r in rounds if r["status"] == "measured"]
+    row["median"], row["spread"] = {}, {}
+    for col, digits in ROUND_FIGURES.items():
+        if measured:
+            row[col] = rounded(median_of(r[col] for r in measured), digits)
+        row["median"][col] = row[col]
+        row["spread"][col] = rounded(spread(r[col] for r in measured), digits)
+    row["tok_s_spread"] = row["spread"]["tok_s"]
+    same = [r["identical_tokens"] for r in measured if r["identical_tokens"] is not None]
+    if same:
+        row["identical_tokens"] = all(same)
+    row["rounds"] = len(measured)
+    row["loadavg"] = [rounded(o.load_before) for o in run.rounds]
+    row["probe_mib_s_rounds"] = [rounded(o.probe_mib_s, 1) for o in run.rounds]
+    row["probe_mib_s"] = rounded(median_of(o.probe_mib_s for o in run.rounds), 1)
+    failed = [o.error for o in run.rounds if o.result is None]
+    if measured and failed:
+        row["notes"] = "; ".join(n for n in (row["notes"], f"{len(failed)} of {len(run.rounds)} rounds failed: "
+                                                          f"{failed[-1]}") if n)
+    return row
+
+
+def flag_noise(rows: list[dict[str, Any]]) -> None:
+    """A row whose tok/s spread over its rounds exceeds the gap to the nearest row's says so."""
+    flag_noisy(rows, "tok_s")
+    for row in rows:
+        if row["noisy"]:
+            near = next(r for r in rows if r["id"] == row["noisy_vs"])
+            row["notes"] = "; ".join(n for n in (row["notes"], (
+                f"noisy: its tok/s spread ({row['tok_s_spread']}) exceeds the gap to {near['id']} "
+                f"({abs(near['tok_s'] - row['tok_s']):.2f}): the rounds do not settle their order")) if n)
 
 
 def ttft_floor(detail: Mapping[str, Mapping[str, Any]] | None, device_mib_s: float | None,
@@ -243,6 +290,13 @@ def first_token_figures(f: Figures, auto: Mapping[str, Any], opts: BenchOptions)
     """The auto run's times to first token, warm and cold, with and without the prompt's
     read-ahead, each against its physical floor."""
     out, how, notes = f.out, f.how, f.notes
+
+    def limited(mib_s: float | None) -> float | None:
+        """A rate the reads may reach: the device's, or the disk limit where that is lower."""
+        if mib_s is None or opts.disk_limit_mib_s is None:
+            return mib_s
+        return min(mib_s, opts.disk_limit_mib_s)
+
     for key, text in FIRST_TOKEN_HOW.items():  # ttft_s, ttft_floor; ttft_cold_s, ttft_cold_floor
         floor_key = key.replace("_s", "_floor")
         serial_key = key.replace("_s", "_no_predict_s")
@@ -256,15 +310,18 @@ def first_token_figures(f: Figures, auto: Mapping[str, Any], opts: BenchOptions)
                            "same history, right after: reads and compute in turn")
         if out[serial_key] is None:
             notes[serial_key] = "not measured (the auto run does not read prompts ahead, or no --ttft lengths)"
-        out[floor_key] = ttft_floor(auto.get(key.replace("_s", "_detail")), out["device_read_mb_s"],
-                                    out["device_read_fresh_mb_s"], auto.get(serial_key.replace("_s", "_detail")))
+        out[floor_key] = ttft_floor(auto.get(key.replace("_s", "_detail")), limited(out["device_read_mb_s"]),
+                                    limited(out["device_read_fresh_mb_s"]),
+                                    auto.get(serial_key.replace("_s", "_detail")))
         how[floor_key] = ("per prompt length: floor_s = the bytes that prefill read (what the cache did not hold, "
                           "read-ahead included; O_DIRECT supersets included) at device_read_mb_s, plus its compute "
                           "(prefill wall time less the compute thread's wait on reads, from the same prompt without "
                           f"read-ahead where measured: compute_from); ttft_over_floor = {key} / floor_s; "
                           f"ttft_over_no_predict = {key} / {serial_key}. floor_fresh_s: the same, with the bytes that "
                           "landed in pages faulted in on the read (read less recycled) at device_read_fresh_mb_s "
-                          "(null when unmeasured); the issue's target is judged on floor_s")
+                          "(null when unmeasured); the issue's target is judged on floor_s"
+                          + ("" if opts.disk_limit_mib_s is None else
+                             f"; both rates capped at --disk-limit {opts.disk_limit_mib_s:g} MiB/s"))
         if out[floor_key] is None:
             notes[floor_key] = ("device_read_mb_s is null" if out["device_read_mb_s"] is None
                                 else "no time to first token with read figures was measured")
@@ -282,16 +339,44 @@ def sweep_and_squeeze(f: Figures, runs: list[Run], opts: BenchOptions) -> None:
     ]
     f.how["budget_sweep"] = ("one fresh process per fixed budget, forced past the memory model with the pressure "
                              "guard off, so the curve shows where the cliff is; " + tok_how(opts))
+    fixed = [row for row in f.out["budget_sweep"] if row["tok_per_s"] is not None]
+    best = max(fixed, key=lambda row: row["tok_per_s"]) if fixed else None
+    f.out["best_fixed_tok_s"] = best["tok_per_s"] if best else None
+    f.how["best_fixed_tok_s"] = ("the fastest budget of the sweep (--budgets)"
+                                 + (f": {best['budget_mb']} MiB" if best else ""))
+    if best is None:
+        f.notes["best_fixed_tok_s"] = ("no budget of the sweep was measured" if f.out["budget_sweep"]
+                                       else "not asked for (--budgets MIB,...)")
+    f.ratio("auto_over_best_fixed", "stream_auto_tok_s", "best_fixed_tok_s",
+            "the auto budget against the best fixed budget of the sweep")
     squeeze = next((run for run in runs if run.id == "squeeze"), None)
     sq = squeeze.result if squeeze is not None else None
     f.out["squeeze"] = None
     if sq is not None and sq.get("squeeze"):
         f.out["squeeze"] = {k: (rounded(v, 3) if isinstance(v, float) else v) for k, v in sq["squeeze"].items()}
         f.how["squeeze"] = f.out["squeeze"].pop("how")
+        before, after = f.out["squeeze"].get("tok_per_s_before"), f.out["squeeze"].get("tok_per_s_after")
+        f.out["squeeze"]["after_over_before"] = rounded(after / before, 3) if after is not None and before else None
     elif squeeze is not None:
         f.notes["squeeze"] = f"squeeze: {rows_by['squeeze']['notes'] or 'not measured'}"
     else:
         f.notes["squeeze"] = "not asked for (--squeeze GB)"
+
+
+def conditions_figures(f: Figures, opts: BenchOptions, conditions: Conditions) -> None:
+    """How many rounds, how many spinning processes, what disk limit: each with how it was done."""
+    f.out["rounds"] = opts.rounds
+    f.how["rounds"] = (f"every configuration run {opts.rounds} times, interleaved (A B C A B C ...), each figure the "
+                       "median of its rounds; per row: median, spread (largest less smallest), loadavg (1-minute "
+                       "load as each round's child started), probe_mib_s_rounds (the disk probed at the runs' lanes "
+                       "before each); a row whose tok/s spread exceeds the gap to the nearest row is flagged noisy; "
+                       "the ratios are of the medians")
+    f.out["busy"] = opts.busy
+    f.how["busy"] = conditions.busy.get("how") or ""
+    f.out["disk_limit_mib_s"] = opts.disk_limit_mib_s
+    f.how["disk_limit_mib_s"] = ("none" if opts.disk_limit_mib_s is None else
+                                 f"{conditions.disk_limit_how}; the streamed runs only (resident and mmap read "
+                                 "through page faults, unlimited); the probes read the device unlimited")
 
 
 def model_of(layout: Any) -> dict[str, Any]:
@@ -304,12 +389,23 @@ def model_of(layout: Any) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class Conditions:
+    """What the runs ran under beside the options: the memory balloon (``--ram-limit``), the
+    spinning processes (``--busy``) and how the disk limit was held (``--disk-limit``)."""
+
+    balloon: dict[str, Any]
+    busy: dict[str, Any]
+    disk_limit_how: str | None = None
+
+
 def summarize(runs: list[Run], probes: Probes, layout: Any, opts: BenchOptions, machine: dict[str, Any],
-              balloon: dict[str, Any], started: datetime) -> dict[str, Any]:
+              conditions: Conditions, started: datetime) -> dict[str, Any]:
     """The bench's JSON object: the key figures (each with ``how``, or null with ``notes``), the
     model, the machine, the configuration, the probes and one row per configuration."""
     ref_id, reference = reference_of(runs)
-    rows = [run_row(run, reference, ref_id) for run in runs]
+    rows = [row_of(run, reference, ref_id) for run in runs]
+    flag_noise(rows)
     f = Figures({row["id"]: row for row in rows})
     device_figures(f, opts, probes)
     speed_figures(f, runs, opts)
@@ -322,6 +418,7 @@ def summarize(runs: list[Run], probes: Probes, layout: Any, opts: BenchOptions, 
     how["identical_tokens"] = f"greedy tokens of every bmoe configuration equal those of {ref_id}"
     if not ids:
         notes["identical_tokens"] = "no reference run was measured"
+    conditions_figures(f, opts, conditions)
     out["notes"] = notes
     out["how"] = how
     out["model"] = model_of(layout)
@@ -330,8 +427,11 @@ def summarize(runs: list[Run], probes: Probes, layout: Any, opts: BenchOptions, 
         "started": started.isoformat(timespec="seconds"), "tokens": opts.tokens, "warmup_tokens": opts.warmup,
         "prompt": opts.prompt, "warmup_prompt": WARMUP_PROMPT, "threads": opts.n_threads,
         "io_threads": opts.io_threads, "n_ctx": opts.n_ctx, "ram_limit_bytes": opts.ram_limit_bytes,
-        "balloon": balloon, "process": "one fresh child process per configuration; model file dropped from "
-                                       "the page cache (fsync + POSIX_FADV_DONTNEED) before each",
+        "balloon": conditions.balloon, "busy": conditions.busy, "disk_limit_mib_s": opts.disk_limit_mib_s,
+        "disk_limit_how": conditions.disk_limit_how, "rounds": opts.rounds,
+        "process": "one fresh child process per configuration" + (
+            f", {opts.rounds} rounds interleaved (every configuration once, then again)" if opts.rounds > 1 else "")
+        + "; model file dropped from the page cache (fsync + POSIX_FADV_DONTNEED) and the disk probed before each",
     }
     out["probe"] = probes.lanes
     out["probe_fresh"] = probes.fresh
