@@ -237,3 +237,26 @@ def test_a_child_the_containers_oom_killer_ends_is_blamed_on_the_limit_not_the_f
         isolate.check_first_open(layout, memo=tmp_path / "memo.txt")
     assert "container" not in str(e.value)
     assert not (tmp_path / "memo.txt").exists()
+
+
+@pytest.mark.pure
+def test_the_verdict_of_a_child_that_ran_out_at_its_cap_or_aborted_or_was_killed() -> None:
+    """``verdict`` alone, on what a child could print: an allocation refused at its cap (a C++
+    bad_alloc ends in SIGABRT) names the cap, not llama.cpp killing the process; a GGML_ASSERT with
+    the cap line present still quotes the assertion (negative control); a SIGKILL outside a
+    container blames neither the file nor a container."""
+    from types import SimpleNamespace
+
+    from bmoe.errors import BudgetError
+
+    layout = SimpleNamespace(shards=(Path("m.gguf"),), dense_bytes=300 << 20)
+    cap = f"bmoe: memory cap {1200 << 20}\n"
+    e = isolate.verdict(layout, -6, cap + "terminate called after throwing an instance of 'std::bad_alloc'\n",
+                        None, None)
+    assert isinstance(e, ModelFileError) and "first open needed more than 1200 MiB" in str(e)
+    e = isolate.verdict(layout, -6, cap + "/src/ops.cpp:4132: GGML_ASSERT(eps >= 0.0f) failed\n", None, None)
+    assert "llama.cpp kills the process" in str(e) and "ops.cpp:4132: GGML_ASSERT(eps >= 0.0f) failed" in str(e)
+    e = isolate.verdict(layout, 1, cap + "bmoe: error: a context (failed to allocate buffer for rs cache)\n", 0, 0)
+    assert "needed more than 1200 MiB" in str(e) and "rs cache" in str(e)
+    e = isolate.verdict(layout, -9, cap, None, None)
+    assert isinstance(e, BudgetError) and "SIGKILL" in str(e) and "container" not in str(e)
