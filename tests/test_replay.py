@@ -203,3 +203,30 @@ def test_replay_rows_label_budgets_and_policies_as_given(traced, tmp_path: Path,
     assert given == [("default", 0.5), ("default", 1), ("lru", 0.5), ("lru", 1)], given
     with open(tmp_path / "rows.csv", newline="") as f:
         assert [(r["policy"], float(r["cache_mb"])) for r in csv.DictReader(f)] == given
+
+
+def test_replay_outputs_replace_a_link_instead_of_writing_through_it(traced, tmp_path: Path,  # noqa: ANN001
+                                                                     monkeypatch) -> None:  # noqa: ANN001
+    """--csv and --plot given as links to files that are not outputs: opened for writing in place,
+    the file a link pointed to was overwritten; now the link is replaced and that file kept."""
+    _, trace_path, _ = traced
+    local = tmp_path / "trace.route.csv"
+    local.write_bytes(trace_path.read_bytes())
+    _seed_probe(tmp_path, monkeypatch, max(read_trace(trace_path).expert_bytes.values()))
+    victims = {}
+    for name in ("rows.csv", "plot.png"):
+        victims[name] = tmp_path / f"victim-{name}"
+        victims[name].write_text(f"not an output: {name}")
+        (tmp_path / name).symlink_to(victims[name])
+    proc = subprocess.run(
+        [sys.executable, "-m", "bmoe.cli", "replay", str(local), "--io", "sim", "--cache-mb", "0.5,1",
+         "--policy", "lru", "--json", "--csv", str(tmp_path / "rows.csv"), "--plot", str(tmp_path / "plot.png")],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    for name, victim in victims.items():
+        assert victim.read_text() == f"not an output: {name}", name
+        assert not (tmp_path / name).is_symlink(), name
+    with open(tmp_path / "rows.csv", newline="") as f:
+        assert [float(r["cache_mb"]) for r in csv.DictReader(f)] == [0.5, 1.0]
+    assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"

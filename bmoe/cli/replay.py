@@ -20,6 +20,7 @@ from bmoe.cli.flags import (
 )
 from bmoe.engine.config import MiB
 from bmoe.errors import ConfigError
+from bmoe.io.outputs import save_figure, write_text_output
 from bmoe.io.paths import check_plot_output
 
 
@@ -149,12 +150,15 @@ def _replay_row(r: dict, policy: str, mb: float, policy_width: int = 8) -> str:
 
 
 def _write_rows(path: Path, rows: list[dict]) -> None:
+    """Through a temporary renamed over the name: a link there is replaced, never written through."""
     import csv
+    from io import StringIO
 
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    table = StringIO(newline="")
+    w = csv.DictWriter(table, fieldnames=list(rows[0]))
+    w.writeheader()
+    w.writerows(rows)
+    write_text_output(path, table.getvalue())
 
 
 def _plot(path: Path, rows: list[dict], title: str) -> None:
@@ -179,5 +183,5 @@ def _plot(path: Path, rows: list[dict], title: str) -> None:
         ax.legend()
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)  # a link at the name is replaced, not written through
     plt.close(fig)
