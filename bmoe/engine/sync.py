@@ -27,7 +27,7 @@ from bmoe.engine.aio import loop_backend_options
 from bmoe.engine.config import RunConfig
 from bmoe.engine.sampling import SamplingParams
 from bmoe.engine.session import Generation, Piece, Session
-from bmoe.errors import BmoeError, SessionClosedError
+from bmoe.errors import BmoeError, ConfigError, SessionClosedError
 from bmoe.pipeline.hooks import Hooks
 
 
@@ -166,8 +166,58 @@ class SyncSession:
         out = self._call(lambda: self.session.create_chat_completion(messages, **kwargs))
         return self._track(self._iterate(out)) if kwargs.get("stream") else out
 
-    def tokenize(self, text: str, *, special: bool = False) -> list[int]:
-        return self._portal_call(self.session.tokenize, text, special=special)
+    def __call__(self, prompt: str | Sequence[int], **kwargs: Any) -> Any:
+        """``create_completion``, as ``Llama(...)("Q: ...", max_tokens=32)`` calls it."""
+        return self.create_completion(prompt, **kwargs)
+
+    def tokenize(self, text: str | bytes, add_bos: bool = True, special: bool = False) -> list[int]:
+        """The text's tokens. As llama-cpp-python's ``Llama.tokenize``: ``text`` may be UTF-8
+        bytes, and ``add_bos=False`` leaves out the BOS the model's tokenizer puts first."""
+        if isinstance(text, (bytes, bytearray, memoryview)):
+            try:
+                text = bytes(text).decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ConfigError(f"text: the bytes are not UTF-8 ({exc.reason} at byte {exc.start})") from None
+        if not isinstance(add_bos, bool):
+            raise ConfigError(f"add_bos must be true or false, got {add_bos!r}")
+        tokens = self._portal_call(self.session.tokenize, text, special=special)
+        bos = self._bos()
+        if not add_bos and bos is not None and tokens[:1] == [bos]:
+            tokens = tokens[1:]
+        return tokens
+
+    def detokenize(self, tokens: Sequence[int], prev_tokens: Sequence[int] | None = None,
+                   special: bool = False) -> bytes:
+        """The tokens' bytes, as llama-cpp-python's ``Llama.detokenize`` gives them: the space a
+        SentencePiece vocabulary puts before the first word is dropped after a BOS, so
+        ``detokenize(tokenize(b"Hi"))`` is ``b"Hi"``; bytes, since a token may hold part of a
+        UTF-8 character. ``prev_tokens`` changes nothing (nor does it in llama-cpp-python); control
+        tokens are no text (``special=True``, which would spell them, is refused)."""
+        if special is not False:
+            raise ConfigError("detokenize: special=True (control tokens as text) is not supported")
+        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+            raise ConfigError(f"tokens must be a list of token ids, got {type(tokens).__name__}")
+        ids = list(tokens)
+        out = b"".join(self._portal_call(lambda: [self.session.token_bytes(t) for t in ids]))
+        if ids and ids[0] == self._bos() and out.startswith(b" "):
+            out = out[1:]
+        return out
+
+    def _bos(self) -> int | None:
+        """The token the tokenizer puts first (None when it puts none): what an empty text
+        tokenizes to."""
+        if not hasattr(self, "_bos_id"):
+            empty = self._portal_call(self.session.tokenize, "")
+            self._bos_id = empty[0] if len(empty) == 1 else None
+        return self._bos_id
+
+    def n_ctx(self) -> int:
+        """The context length in tokens (``Llama.n_ctx()``)."""
+        return self._portal_call(lambda: self.session.n_ctx)
+
+    def n_vocab(self) -> int:
+        """How many tokens the vocabulary holds; ids run from 0 to n_vocab() - 1 (``Llama.n_vocab()``)."""
+        return self._portal_call(lambda: self.session.n_vocab)
 
     def chat_template(self) -> bytes | None:
         return self._portal_call(self.session.chat_template)
