@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 ROOT = "/sys/fs/cgroup"
@@ -68,11 +69,18 @@ def own_paths(text: str) -> tuple[str | None, str | None]:
     return v2, v1
 
 
-def _read(path: Path) -> str | None:
+def _read(path: Path | str) -> str | None:
+    """A small kernel file's text (os-level: the guard samples every quarter second)."""
     try:
-        return path.read_text()
-    except (OSError, UnicodeDecodeError):
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
         return None
+    try:
+        return os.read(fd, 1 << 16).decode("ascii", errors="replace")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _int(path: Path) -> int | None:
@@ -119,11 +127,28 @@ def _levels(mount: Path, rel: str) -> list[Path]:
     return out
 
 
+@lru_cache(maxsize=8)
+def _plan(root: str, self_cgroup: str) -> tuple[str, tuple[str, ...]]:
+    """("v1" | "v2" | "", the level directories to read, leaf first): found once per process (a
+    process does not change cgroups under bmoe); their files are read at every call."""
+    text = _read(self_cgroup)
+    if text is None:
+        return "", ()
+    v2, v1 = own_paths(text)
+    base = Path(root)
+    if v1 is not None and (base / "memory" / "memory.limit_in_bytes").exists():
+        return "v1", tuple(str(d) for d in _levels(base / "memory", v1))
+    if v2 is not None:
+        mount = base if (base / "cgroup.controllers").exists() else base / "unified"
+        return "v2", tuple(str(d) for d in _levels(mount, v2))
+    return "", ()
+
+
 def _v2_level(d: Path) -> CgroupMemory | None:
     limits = [(v, name) for name in ("memory.max", "memory.high") if (v := _int(d / name)) is not None]
     limits = [(v, name) for v, name in limits if v < _UNLIMITED]
-    usage = _int(d / "memory.current")
-    if not limits or usage is None:
+    usage = _int(d / "memory.current") if limits else None
+    if usage is None:
         return None
     limit, what = min(limits)
     stat = _fields(_read(d / "memory.stat"))
@@ -133,8 +158,11 @@ def _v2_level(d: Path) -> CgroupMemory | None:
 
 
 def _v1_level(d: Path) -> CgroupMemory | None:
-    limit, usage = _int(d / "memory.limit_in_bytes"), _int(d / "memory.usage_in_bytes")
-    if limit is None or usage is None or limit >= _UNLIMITED:
+    limit = _int(d / "memory.limit_in_bytes")
+    if limit is None or limit >= _UNLIMITED:
+        return None
+    usage = _int(d / "memory.usage_in_bytes")
+    if usage is None:
         return None
     stat = _fields(_read(d / "memory.stat"))
     files = stat.get("total_active_file", stat.get("active_file", 0)) + stat.get(
@@ -147,15 +175,7 @@ def read_cgroup_memory(root: str | os.PathLike[str] = ROOT, self_cgroup: str | o
                        ) -> CgroupMemory | None:
     """The limit with the least room of this process's cgroup and its ancestors; None when no
     level sets one (or nothing is readable: no cgroup, or none mounted where expected)."""
-    text = _read(Path(self_cgroup))
-    if text is None:
-        return None
-    v2, v1 = own_paths(text)
-    base = Path(root)
-    found: list[CgroupMemory] = []
-    if v1 is not None and (base / "memory" / "memory.limit_in_bytes").exists():
-        found = [m for d in _levels(base / "memory", v1) if (m := _v1_level(d)) is not None]
-    elif v2 is not None:
-        mount = base if (base / "cgroup.controllers").exists() else base / "unified"
-        found = [m for d in _levels(mount, v2) if (m := _v2_level(d)) is not None]
+    version, levels = _plan(os.fspath(root), os.fspath(self_cgroup))
+    read = _v1_level if version == "v1" else _v2_level
+    found = [m for d in levels if (m := read(Path(d))) is not None]
     return min(found, key=lambda m: m.available, default=None)
