@@ -7,11 +7,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 from pathlib import Path
 
 import pytest
 
 from bmoe.bench import harness
+from bmoe.bench.balloon import has_cap_ipc_lock
 from bmoe.bench.busy import Spinners
 from bmoe.bench.plan import Outcome, Run
 from bmoe.bench.rounds import flag_noisy, median_tree, spread
@@ -215,3 +217,44 @@ def test_a_bad_disk_limit_is_a_parse_error(model: Path, value: str) -> None:
     with pytest.raises(SystemExit) as info:
         parse([str(model), "--disk-limit", value])
     assert info.value.code == 2
+
+
+@pytest.mark.skipif(not has_cap_ipc_lock() and resource.getrlimit(resource.RLIMIT_MEMLOCK)[0] != resource.RLIM_INFINITY,
+                    reason="the balloon's plan refuses a lock past RLIMIT_MEMLOCK without CAP_IPC_LOCK")
+def test_a_balloon_that_dies_between_rounds_stops_the_runs_after_it(model: Path, tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The RAM limit no longer holds: nothing more is measured; rows keep the rounds they had."""
+    from bmoe.io.validate import open_layout
+
+    sides = Sides()
+    first_round = len([i for i in TOK_S if not i.startswith("sweep_")]) - 1  # less mmap_norepack, skipped
+
+    class Dies:
+        """A balloon that holds nothing and dies once the first round is over."""
+
+        pid, inflate_s = None, 0.0
+
+        def __init__(self, nbytes: int) -> None:
+            pass
+
+        def inflate(self) -> Dies:
+            return self
+
+        def alive(self) -> bool:
+            return len(sides.calls) < first_round
+
+        def release(self) -> None:
+            pass
+
+    limit = (open_layout(model).dense_bytes + GiB + MiB) / GiB
+    args = parse([str(model), "--tokens", "4", "--ttft", "0", "--json", "--out", str(tmp_path / "x"),
+                  "--rounds", "2", "--ram-limit", str(limit)])
+    machine = harness.Host(meminfo=lambda: {"MemTotal": 24 * GiB, "MemAvailable": 16 * GiB},
+                           cgroup_room=lambda: None, execute=sides, balloon=Dies)
+    assert harness.run_bench_command(args, machine) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert len(sides.calls) == first_round, "nothing ran after the balloon died"
+    rows = {r["id"]: r for r in result["runs"]}
+    assert rows["stream_off"]["status"] == "measured" and rows["stream_off"]["rounds"] == 1
+    assert "1 of 2 rounds failed: the memory balloon died" in rows["stream_off"]["notes"]
+    assert result["config"]["balloon"]["alive_at_end"] is False

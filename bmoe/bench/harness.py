@@ -193,93 +193,118 @@ def disk_limit_how(opts: BenchOptions, shards: Sequence[Path]) -> str | None:
 def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda _l: None,
               host: Host | None = None) -> dict[str, Any]:
     """Measure everything, write the report files, return the JSON object."""
-    from bmoe.engine.streaming import FRESH_LANES
-    from bmoe.io.pagecache import evict_file_cache
-    from bmoe.io.probe import measure_model
-    from bmoe.io.validate import open_layout
+    return Bench(opts.validate(), log, host or Host()).measure()
 
-    host = host or Host()
-    opts.validate()
-    started = datetime.now()
-    layout = open_layout(opts.model)
-    model = Path(layout.shards[0])
-    first_moe = layout.moe_layers[0]
-    slice_bytes = layout.layer_experts(first_moe)[0].stride
-    machine = machine_info(model, host.meminfo())
-    plan: BalloonPlan | None = None
-    if opts.ram_limit_bytes is not None:  # refuse a bad limit before measuring anything
-        plan = plan_balloon(opts.ram_limit_bytes, layout.dense_bytes, meminfo=host.meminfo(),
-                            cgroup=host.cgroup_room())
-    out_dir = out_dir_for(opts, model, started)
 
-    def probe(lanes: int, what: str = "", fresh: bool = False) -> dict[str, Any]:
+BALLOON_DIED = "the memory balloon died (OOM kill?): the RAM limit no longer holds"
+
+
+class Bench:
+    """One ``bmoe bench``: the model's layout and the options, the device probes, the balloon and
+    the spinning processes around the runs, the runs in rounds; then the summary and the report."""
+
+    def __init__(self, opts: BenchOptions, log: Callable[[str], None], host: Host) -> None:
+        from bmoe.io.validate import open_layout
+
+        self.opts, self.log, self.host = opts, log, host
+        self.started = datetime.now()
+        self.layout = open_layout(opts.model)
+        self.model = Path(self.layout.shards[0])
+        self.slice_bytes = self.layout.layer_experts(self.layout.moe_layers[0])[0].stride
+
+    def probe(self, lanes: int, what: str = "", fresh: bool = False) -> dict[str, Any]:
+        """The device's random-read rate of the model's own slices at ``lanes`` lanes (or the
+        probe's failure, said)."""
+        from bmoe.io.probe import measure_model
+
         into = ", into pages never touched before" if fresh else ""
-        log(f"probe{what}: {lanes} lane(s), {slice_bytes} byte slices{into}")
+        self.log(f"probe{what}: {lanes} lane(s), {self.slice_bytes} byte slices{into}")
         try:
-            return dataclasses.asdict(measure_model(layout, lanes, fresh=fresh))
+            return dataclasses.asdict(measure_model(self.layout, lanes, fresh=fresh))
         except (OSError, BmoeError) as e:
-            return {"mib_s": None, "slice_bytes": slice_bytes, "lanes": lanes, "mode": None, "reads": None,
-                    "how": f"probe failed on {model}: {type(e).__name__}: {e}", "fresh": fresh}
+            return {"mib_s": None, "slice_bytes": self.slice_bytes, "lanes": lanes, "mode": None, "reads": None,
+                    "how": f"probe failed on {self.model}: {type(e).__name__}: {e}", "fresh": fresh}
 
-    probes = [probe(n) for n in sorted(set(LANES) | {opts.io_threads})]
-    probe_fresh = probe(FRESH_LANES * opts.io_threads, fresh=True)  # the lanes a fresh cache's reads run on
+    def measure(self) -> dict[str, Any]:
+        from bmoe.engine.streaming import FRESH_LANES
 
-    def run_side(run: Run, round_no: int, scratch: Path) -> None:
+        opts, host, layout = self.opts, self.host, self.layout
+        machine = machine_info(self.model, host.meminfo())
+        plan: BalloonPlan | None = None
+        if opts.ram_limit_bytes is not None:  # refuse a bad limit before measuring anything
+            plan = plan_balloon(opts.ram_limit_bytes, layout.dense_bytes, meminfo=host.meminfo(),
+                                cgroup=host.cgroup_room())
+        out_dir = out_dir_for(opts, self.model, self.started)
+        probes = [self.probe(n) for n in sorted(set(LANES) | {opts.io_threads})]
+        probe_fresh = self.probe(FRESH_LANES * opts.io_threads, fresh=True)  # the lanes a fresh cache reads on
+        balloon_info: dict[str, Any] = {"limit_bytes": opts.ram_limit_bytes}
+        busy_info: dict[str, Any] = {"processes": opts.busy}
+        with side.terminate_as_exit(), tempfile.TemporaryDirectory(prefix="bmoe-bench-") as scratch:
+            balloon = host.balloon(plan.lock_bytes) if plan is not None and plan.lock_bytes > 0 else None
+            try:
+                if balloon is not None and plan is not None:
+                    self.log(f"balloon: locking {plan.lock_bytes / GiB:.2f} GiB ({plan.how})")
+                    balloon.inflate()
+                    balloon_info |= {"pid": balloon.pid, "inflate_s": balloon.inflate_s}
+                if plan is not None:
+                    balloon_info |= {"lock_bytes": plan.lock_bytes, "how": plan.how,
+                                     "available_before_bytes": plan.available_bytes}
+                avail_now, avail_how = available_bytes(host.meminfo(), host.cgroup_room())
+                balloon_info["available_after_inflate_bytes"] = avail_now
+                balloon_info["room_how"] = avail_how
+                budget_room = min(avail_now, opts.ram_limit_bytes) if opts.ram_limit_bytes else avail_now
+                runs = plan_runs(layout, opts, budget_room)
+                with host.spinners(opts.busy) as spinners:
+                    busy_info["pids"] = spinners.pids
+                    self.run_rounds(runs, balloon, Path(scratch))
+                    busy_info["alive_at_end"] = spinners.alive()
+                balloon_info["alive_at_end"] = balloon.alive() if balloon is not None else None
+                balloon_info["available_at_end_bytes"] = host.available()
+            finally:
+                if balloon is not None:
+                    balloon.release()
+        probe_end = self.probe(opts.io_threads, " again, after the runs")  # how far the device's rate drifted
+        busy_info["how"] = Spinners(opts.busy).how if opts.busy else "none: the machine as it was"
+        result = summarize(runs, Probes(probes, probe_fresh, probe_end), layout, opts, machine,
+                           Conditions(balloon_info, busy_info, disk_limit_how(opts, layout.shards)), self.started)
+        write_report(result, out_dir, opts.plot)
+        return result
+
+    def run_rounds(self, runs: list[Run], balloon: Balloon | None, scratch: Path) -> None:
+        """Every configuration not skipped once, in plan order, ``--rounds`` times over (A B C A B
+        C ...); then each run's rounds folded into its figures. A balloon that died stops the
+        limit: no configuration runs after it (a run with rounds already keeps them, and says so)."""
+        for round_no in range(self.opts.rounds):
+            for run in runs:
+                if run.skip is None and balloon is not None and not balloon.alive():
+                    if run.rounds:
+                        run.rounds.append(Outcome(error=BALLOON_DIED))
+                        continue
+                    run.skip = BALLOON_DIED
+                if run.skip is not None:
+                    if round_no == 0 or run.skip == BALLOON_DIED:
+                        self.log(f"{run.label}: skipped: {run.skip}")
+                    continue
+                self.run_side(run, round_no, scratch)
+        for run in runs:
+            run.settle()
+
+    def run_side(self, run: Run, round_no: int, scratch: Path) -> None:
         """One round of ``run``: the device probed at the runs' lanes, the file dropped from the
         page cache, the memory and load noted, then its child."""
-        what = f" before {run.id}" + (f", round {round_no + 1} of {opts.rounds}" if opts.rounds > 1 else "")
-        row_probe = probe(opts.io_threads, what)["mib_s"]
-        evict_file_cache(layout.shards)
-        mem, load = host.available(), os.getloadavg()[0]
-        log(f"{run.label}: running" + (f" (round {round_no + 1} of {opts.rounds})" if opts.rounds > 1 else ""))
-        outcome = host.execute(run, model, opts, scratch)
+        from bmoe.io.pagecache import evict_file_cache
+
+        opts = self.opts
+        which = f"round {round_no + 1} of {opts.rounds}" if opts.rounds > 1 else ""
+        row_probe = self.probe(opts.io_threads, f" before {run.id}" + (f", {which}" if which else ""))["mib_s"]
+        evict_file_cache(self.layout.shards)
+        mem, load = self.host.available(), os.getloadavg()[0]
+        self.log(f"{run.label}: running" + (f" ({which})" if which else ""))
+        outcome = self.host.execute(run, self.model, opts, scratch)
         outcome.mem_available_before, outcome.load_before, outcome.probe_mib_s = mem, load, row_probe
         run.rounds.append(outcome)
         if outcome.error:
-            log(f"{run.label}: failed: {outcome.error}")
+            self.log(f"{run.label}: failed: {outcome.error}")
         else:
             tok_s = (outcome.result or {}).get("stats", {}).get("tok_per_s")
-            log(f"{run.label}: {'n/a' if tok_s is None else f'{tok_s:.2f}'} tok/s")
-
-    balloon_info: dict[str, Any] = {"limit_bytes": opts.ram_limit_bytes}
-    busy_info: dict[str, Any] = {"processes": opts.busy}
-    with side.terminate_as_exit(), tempfile.TemporaryDirectory(prefix="bmoe-bench-") as scratch:
-        balloon = host.balloon(plan.lock_bytes) if plan is not None and plan.lock_bytes > 0 else None
-        try:
-            if balloon is not None:
-                log(f"balloon: locking {plan.lock_bytes / GiB:.2f} GiB ({plan.how})")
-                balloon.inflate()
-                balloon_info |= {"pid": balloon.pid, "inflate_s": balloon.inflate_s}
-            if plan is not None:
-                balloon_info |= {"lock_bytes": plan.lock_bytes, "how": plan.how,
-                                 "available_before_bytes": plan.available_bytes}
-            avail_now, avail_how = available_bytes(host.meminfo(), host.cgroup_room())
-            balloon_info["available_after_inflate_bytes"] = avail_now
-            balloon_info["room_how"] = avail_how
-            budget_room = min(avail_now, opts.ram_limit_bytes) if opts.ram_limit_bytes else avail_now
-            runs = plan_runs(layout, opts, budget_room)
-            with host.spinners(opts.busy) as spinners:
-                busy_info["pids"] = spinners.pids
-                for round_no in range(opts.rounds):
-                    for run in runs:
-                        if run.skip is None and balloon is not None and not balloon.alive():
-                            run.skip = "the memory balloon died (OOM kill?): the RAM limit no longer holds"
-                        if run.skip is not None:
-                            if round_no == 0:
-                                log(f"{run.label}: skipped: {run.skip}")
-                            continue
-                        run_side(run, round_no, Path(scratch))
-                busy_info["alive_at_end"] = spinners.alive()
-            for run in runs:
-                run.settle()
-            balloon_info["alive_at_end"] = balloon.alive() if balloon is not None else None
-            balloon_info["available_at_end_bytes"] = host.available()
-        finally:
-            if balloon is not None:
-                balloon.release()
-    probe_end = probe(opts.io_threads, " again, after the runs")  # how far the device's rate drifted
-    busy_info["how"] = Spinners(opts.busy).how if opts.busy else "none: the machine as it was"
-    result = summarize(runs, Probes(probes, probe_fresh, probe_end), layout, opts, machine,
-                       Conditions(balloon_info, busy_info, disk_limit_how(opts, layout.shards)), started)
-    write_report(result, out_dir, opts.plot)
-    return result
+            self.log(f"{run.label}: {'n/a' if tok_s is None else f'{tok_s:.2f}'} tok/s")
