@@ -230,6 +230,24 @@ def test_templates_render_tools_past_calls_and_results() -> None:
     assert str(call["function"]["arguments"]) == '{"city": "Paris"}'
 
 
+@pytest.mark.pure
+def test_a_template_that_refuses_a_system_message_gets_the_tools_in_the_first_user_message() -> None:
+    from bmoe.engine.completions import _render
+
+    no_system = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System role not supported') }}"
+                 "{% endif %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>")
+    request = tools.tool_request([WEATHER], "auto")
+    text = _render(ChatFormat(no_system.encode()), [Message("user", "hi")], request, "generic", None)
+    assert text.startswith("<user>You can call these functions:") and text.endswith("\n\nhi\n<assistant>")
+
+
+@pytest.mark.pure
+def test_a_forced_call_after_a_think_block_the_prompt_opened_closes_it_first() -> None:
+    request = tools.tool_request([CLOCK], "required")
+    assert tools.grammar(request, "hermes", lead="</think>\n\n").startswith(
+        'root ::= "</think>\\n\\n" ( "<tool_call>\\n" ( t0-root ) "\\n</tool_call>" )')
+
+
 # -- the Python API on tiny models -----------------------------------------------------------------
 
 
@@ -317,6 +335,37 @@ def test_a_forced_call_does_not_combine_with_a_grammar(qwen) -> None:  # noqa: A
         with pytest.raises(ParamError) as info:
             s.create_chat_completion(ASK, functions=[{"name": "f"}])
         assert info.value.param == "functions"
+
+
+def test_auto_lets_the_model_choose_and_its_call_is_parsed(qwen) -> None:  # noqa: ANN001
+    """auto leaves the reply free; here a request grammar makes the model write a call (a model that
+    chose to), which comes back parsed, not as text."""
+    from bmoe.engine.sync import SyncSession
+
+    written = 'root ::= "Checking.\\n<tool_call>\\n{\\"name\\": \\"now\\", \\"arguments\\": {}}\\n</tool_call>"'
+    with SyncSession.open(qwen, CONFIG) as s:
+        body = s.create_chat_completion(ASK, tools=TOOLS, max_tokens=150, grammar=written)
+        chunks = list(s.create_chat_completion(ASK, tools=TOOLS, max_tokens=150, grammar=written, stream=True))
+        as_text = s.create_chat_completion(ASK, max_tokens=150, grammar=written)  # no tools: no call
+    message = body["choices"][0]["message"]
+    assert body["choices"][0]["finish_reason"] == "tool_calls" and message["content"] == "Checking.\n"
+    assert [c["function"] for c in message["tool_calls"]] == [{"name": "now", "arguments": "{}"}]
+    streamed, finish, deltas = _gathered(chunks)
+    assert finish == "tool_calls" and [c["function"] for c in streamed] == [{"name": "now", "arguments": "{}"}]
+    assert "".join(d.get("content") or "" for d in deltas) == "Checking.\n"
+    assert "<tool_call>" in as_text["choices"][0]["message"]["content"]
+
+
+def test_a_thinking_template_with_a_forced_call(tmp_path) -> None:  # noqa: ANN001
+    from bmoe.engine.sync import SyncSession
+
+    path = _with_template(tmp_path, QWEN_TOOLS.replace("<|im_start|>assistant\n{% endif %}",
+                                                        "<|im_start|>assistant\n<think>\n{% endif %}"))
+    with SyncSession.open(path, CONFIG) as s:
+        body = s.create_chat_completion(ASK, tools=TOOLS, tool_choice="required", max_tokens=150)
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
+    assert "reasoning_content" not in choice["message"] and len(choice["message"]["tool_calls"]) == 1
 
 
 # -- over HTTP, with the official client -----------------------------------------------------------

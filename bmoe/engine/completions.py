@@ -40,7 +40,7 @@ from bmoe.engine.chat import ChatFormat, Message
 from bmoe.engine.sampling import MAX_LOGPROBS, ParamError, SamplingParams, TokenLogprob
 from bmoe.llama.seam import check_token_ids
 from bmoe.engine.stops import StopStrings
-from bmoe.engine.thinking import CUT
+from bmoe.engine.thinking import CLOSE as CLOSE_THINK, CUT, OPEN as OPEN_THINK
 from bmoe.errors import ConfigError
 
 
@@ -372,22 +372,33 @@ def _legacy_functions(functions: Any, function_call: Any) -> None:
         raise ParamError("function_call is not supported: send tools and tool_choice", "function_call")
 
 
-def _with_tools(fmt: ChatFormat, messages: list[Message], request: toolcalls.ToolRequest | None,
-                style: str) -> tuple[list[Message], list[dict[str, Any]] | None]:
-    """The conversation and the template's ``tools``. A template that renders tools itself gets
-    them as they are; any other has them described in the system message, and past calls written
-    into the assistant's text, in the format the reply is parsed in."""
+def _render(fmt: ChatFormat, messages: list[Message], request: toolcalls.ToolRequest | None, style: str,
+            template_kwargs: Mapping[str, Any] | None) -> str:
+    """The prompt, with the tools. A template that renders tools itself gets them as they are; any
+    other has them described in the system message (in the first user message where the template
+    refuses a system message), and past calls written into the assistant's text, in the format
+    the reply is parsed in."""
     if fmt.renders_tools:
-        return messages, request.template_tools() if request is not None else None
+        return fmt.render(messages, template_kwargs, request.template_tools() if request is not None else None)
     if any(m.tool_calls for m in messages):
         messages = [Message(m.role, "\n".join(x for x in (m.content, toolcalls.as_text(m.tool_calls)) if x))
                     if m.tool_calls else m for m in messages]
     if request is None:
-        return messages, None
+        return fmt.render(messages, template_kwargs)
     text = toolcalls.describe(request, style)
-    if messages and messages[0].role == "system":
-        return [Message("system", messages[0].content + "\n\n" + text), *messages[1:]], None
-    return [Message("system", text), *messages], None
+    if messages[0].role == "system":
+        described = [Message("system", messages[0].content + "\n\n" + text), *messages[1:]]
+    else:
+        described = [Message("system", text), *messages]
+    try:
+        return fmt.render(described, template_kwargs)
+    except ParamError:
+        user = next((i for i, m in enumerate(messages) if m.role == "user"), None)
+        if user is None:
+            raise
+        m = messages[user]
+        return fmt.render([*messages[:user], Message("user", text + "\n\n" + m.content), *messages[user + 1:]],
+                          template_kwargs)
 
 
 def prepare_chat_completion(
@@ -413,15 +424,16 @@ def prepare_chat_completion(
     params.check_vocab(session.n_vocab)
     fmt = session.chat_format()
     style = toolcalls.style_of(fmt.template, fmt.channels)
-    forced = toolcalls.grammar(request, style) if request is not None else None
+    prompt = _render(fmt, messages_from(messages), request, style, chat_template_kwargs)
+    # a generation prompt that opened a think block: a forced call closes it first
+    forced = toolcalls.grammar(request, style, lead=CLOSE_THINK + "\n\n" if not fmt.channels and
+                               prompt.rstrip().endswith(OPEN_THINK) else "") if request is not None else None
     if forced is not None:
         if params.gbnf() is not None:
             raise ParamError(f"tool_choice {tool_choice!r} constrains the reply to a call; it does not combine "
                              f"with a {params.grammar_param}", "tool_choice")
         params = dataclasses.replace(params, grammar=forced)
     _check_grammar(session, params)
-    conversation, template_tools = _with_tools(fmt, messages_from(messages), request, style)
-    prompt = fmt.render(conversation, chat_template_kwargs, template_tools)
     tokens = _tokenize(session, prompt, "messages", special=True)
     limit = _max_tokens(max_tokens, None, session, len(tokens), "messages")
     calls = style if request is not None else None

@@ -133,8 +133,9 @@ def describe(request: ToolRequest, style: str) -> str:
     return f"You can call these functions:\n{listing}\nTo call one, answer with {how}."
 
 
-def grammar(request: ToolRequest, style: str) -> str | None:
-    """GBNF that allows one call and nothing else, when the request forces a call."""
+def grammar(request: ToolRequest, style: str, lead: str = "") -> str | None:
+    """GBNF that allows one call and nothing else, when the request forces a call (after ``lead``,
+    text the reply must begin with: the end of a think block its prompt opened)."""
     if not request.forced:
         return None
     tools = [t for t in request.tools if request.only in (None, t.name)]
@@ -160,6 +161,8 @@ def grammar(request: ToolRequest, style: str) -> str | None:
         "harmony": f'root ::= "<|channel|>commentary to=functions." ( {body} )',
         "generic": f"root ::= {body}",
     }[style]
+    if lead:
+        root = root.replace("root ::= ", f"root ::= {json.dumps(lead)} ( ", 1) + " )"
     return "\n".join([root, *rules])
 
 
