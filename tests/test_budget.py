@@ -267,3 +267,23 @@ def test_a_roomy_container_leaves_the_host_figure(tmp_path) -> None:  # noqa: AN
     roomy = CgroupMemory(limit=64 * GiB, usage=1 * GiB, file_pages=0, what="memory.max", oom_kills=None)
     mem = read_memory(_meminfo(tmp_path, 24 * 1024, 20 * 1024), cgroup=lambda: roomy)
     assert (mem.total, mem.available) == (24 * GiB, 20 * GiB) and mem.how.startswith("MemAvailable")
+
+
+def test_a_session_in_a_container_sizes_auto_from_the_limit(tiny, monkeypatch) -> None:  # noqa: ANN001
+    """The wiring: a session's ``auto`` budget and its guard's samples take the cgroup's room (a
+    fake limit here: this machine's cgroup sets none) and ``budget_how`` says so."""
+    import bmoe.pipeline.budget as budget_module
+    import bmoe.pipeline.pressure as pressure_module
+    from bmoe.pipeline.cgroup import CgroupMemory
+
+    path = tiny.path(TinySpec(n_embd=256, n_ff=256, n_layer=3))
+    with Session.open(path, RunConfig(mode="stream", n_ctx=256, cache_bytes=None)) as s:
+        free = s.budget_bytes
+        assert free == s.layout.expert_bytes and "container" not in s.budget_how  # negative control: the host
+    room = CgroupMemory(limit=2 * GiB, usage=2 * GiB - 300 * MiB, file_pages=0, what="memory.max", oom_kills=0)
+    monkeypatch.setattr(budget_module, "read_cgroup_memory", lambda: room)
+    monkeypatch.setattr(pressure_module, "read_cgroup_memory", lambda: room)
+    with Session.open(path, RunConfig(mode="stream", n_ctx=256, cache_bytes=None)) as s:
+        assert "available in the container (memory.max 2048 MiB" in s.budget_how, s.budget_how
+        assert s.budget_bytes == 0 < free  # 300 MiB less every need (a 256 MiB margin alone): no cache
+        assert pressure_module.live_sample().mem_available == 300 * MiB

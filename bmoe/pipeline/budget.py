@@ -258,12 +258,12 @@ class Memory:
 
 
 def read_memory(meminfo_path: str = "/proc/meminfo",
-                cgroup: Callable[[], CgroupMemory | None] = read_cgroup_memory) -> Memory:
+                cgroup: Callable[[], CgroupMemory | None] | None = None) -> Memory:
     """min(host, container) of total and available memory. A container's limit is invisible in
     /proc/meminfo: under a 1,100 MiB limit on a 24 GiB host, ``auto`` planned a 20 GiB cache."""
     info = read_meminfo(meminfo_path)
     total, avail = info.get("MemTotal", 0), info.get("MemAvailable", 0)
-    limits = cgroup()
+    limits = (cgroup or read_cgroup_memory)()
     if limits is None:
         return Memory(total, avail, "MemAvailable")
     total = min(total, limits.limit) if total else limits.limit

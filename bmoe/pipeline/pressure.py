@@ -81,12 +81,12 @@ def read_mem_available(path: str = "/proc/meminfo") -> int | None:
 
 
 def live_sample(clock: Callable[[], float] = time.monotonic,
-                cgroup: Callable[[], CgroupMemory | None] = read_cgroup_memory) -> PressureSample:
+                cgroup: Callable[[], CgroupMemory | None] | None = None) -> PressureSample:
     """This machine and process now (two small /proc reads, the cgroup's few files, getrusage).
     In a container the cgroup's room and stalls are what matter: the host may have plenty of
     both while the container's limit reclaims this process's pages."""
     available, psi = read_mem_available(), None
-    limits = cgroup()
+    limits = (cgroup or read_cgroup_memory)()
     if limits is not None:
         available = limits.available if available is None else min(available, limits.available)
         psi = limits.psi_some_us
