@@ -55,8 +55,35 @@ def rename_arch(old: str, new: str, then: Callable[[GGUFWriter], None] | None = 
     return edit
 
 
+def nul_twin(w: GGUFWriter) -> None:
+    """The last token made the one before it plus a NUL: llama.cpp keys tokens by C string."""
+    value = w.kv_data[0]["tokenizer.ggml.tokens"]
+    tokens = list(value.value)
+    tokens[-1] = tokens[-2] + "\0"
+    w.kv_data[0]["tokenizer.ggml.tokens"] = GGUFValue(tokens, value.type, value.sub_type)
+
+
 # (id, spec, metadata edit, what the one line must say)
 FAULTS = [
+    # Issue 39.3: what only the first-open child caught (each aborted the unisolated process).
+    ("dense-ffn-width-deleted", TinySpec(arch="glm4moe"), drop("glm4moe.feed_forward_length"),
+     "feed_forward_length is missing or 0"),
+    ("shared-count-zero", TinySpec(arch="dots1"), set_u32("dots1.expert_shared_count", 0),
+     "expert_shared_count' is 0"),
+    ("l-cache-zero", TinySpec(arch="lfm2moe"), set_u32("lfm2moe.shortconv.l_cache", 0), "shortconv.l_cache' is 0"),
+    ("mla-kv-heads-deleted", TinySpec(arch="deepseek2"), drop("deepseek2.attention.head_count_kv"),
+     "head_count_kv must be 1 with latent attention"),
+    ("mla-key-length-deleted", TinySpec(arch="deepseek2"), drop("deepseek2.attention.key_length"),
+     "key_length must be kv_lora_rank"),
+    ("mla-rope-deleted", TinySpec(arch="deepseek2"), drop("deepseek2.rope.dimension_count"),
+     "leaves no room beside"),
+    ("gdn-inner-size-zero", TinySpec(arch="qwen35moe"), set_u32("qwen35moe.ssm.inner_size", 0),
+     "ssm.inner_size is 0"),
+    ("rope-dims-odd", TinySpec(arch="glm4moe"), set_u32("glm4moe.rope.dimension_count", 1),
+     "rope.dimension_count is 1; llama.cpp's rope needs it even"),
+    ("full-rope-narrow", TinySpec(arch="hunyuan-moe"), set_u32("hunyuan-moe.rope.dimension_count", 8),
+     "ropes the whole head"),
+    ("token-equal-up-to-nul", TinySpec(arch="qwen3moe"), nul_twin, "are the same string"),
     ("gating-absent", TinySpec(arch="minimax-m2"), drop("minimax-m2.expert_gating_func"), "expert_gating_func"),
     ("gating-absent-dots1", TinySpec(arch="dots1"), drop("dots1.expert_gating_func"), "expert_gating_func"),
     ("gating-invalid", TinySpec(arch="glm4moe"), set_u32("glm4moe.expert_gating_func", 7), "expert_gating_func is 7"),
@@ -145,3 +172,25 @@ def test_without_validation_the_same_fault_kills_the_process(tmp_path: Path) -> 
     done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
     assert done.returncode < 0, f"status {done.returncode}: llama.cpp no longer aborts here?"
     assert cli("run", "-m", str(path), "-p", "hello", "-n", "2").returncode == 1
+
+
+# Where each issue-39 fault kills plain llama.cpp: at load, context or first decode ("abort"), or
+# only on the user open bmoe's streamed run takes, which creates tensors from the keys alone (the
+# loader's ne[dim] >= 1 assert; a plain load of the same file fails cleanly instead).
+ISSUE_39_FAULTS = [(f, "load error" if f[0] in ("dense-ffn-width-deleted", "shared-count-zero", "l-cache-zero")
+                    else "abort") for f in FAULTS[:10]]
+
+
+@pytest.mark.parametrize("spec,edit,plain", [(*f[1:3], k) for f, k in ISSUE_39_FAULTS],
+                         ids=[f[0] for f, _ in ISSUE_39_FAULTS])
+def test_each_issue_39_fault_breaks_plain_llama_cpp(tmp_path: Path, spec: TinySpec, edit, plain: str) -> None:  # noqa: ANN001
+    """The control of the faults above that only the first-open child used to catch: handed to
+    llama.cpp without bmoe's checks, each file is broken there too (so refusing it is no guess)."""
+    (path,) = write_tiny(tmp_path / "bad.gguf", spec, edit_metadata=edit)
+    code = ("import llama_cpp, sys; llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, verbose=False); "
+            "llm('hello', max_tokens=2)")
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    if plain == "abort":
+        assert done.returncode < 0, f"status {done.returncode}: llama.cpp no longer aborts here?\n{done.stderr[-400:]}"
+    else:
+        assert done.returncode == 1 and "Failed to load model" in done.stderr, done.stderr[-400:]

@@ -38,8 +38,6 @@ from bmoe.io.recipes import RECIPES
 
 MAX_LAYERS = 512  # LLAMA_MAX_LAYERS, src/llama-hparams.h
 MAX_EXPERTS = 1024  # LLAMA_MAX_EXPERTS
-# Architectures whose graph asserts n_rot == head size (the rest rope a part of the head).
-_FULL_ROPE = frozenset({"qwen3moe", "qwen2moe", "olmoe", "llama"})
 _VOCAB_KEY = "tokenizer.ggml.tokens"
 # Per-layer tensors each architecture's load_arch_tensors creates as required (flags 0) besides the
 # experts: a file relabelled from another architecture lacks some, and llama.cpp sizes the missing
@@ -118,6 +116,7 @@ MAX_SIZE = 1 << 24  # any length or count above this makes a tensor bigger than 
 def check_hparams(first: ShardIndex, layout: ModelLayout) -> None:
     """Refuse, as one line, every generic hyperparameter llama.cpp would assert on or spin with."""
     keys = _Keys(first, layout.arch)
+    recipe = RECIPES.get(layout.arch)
     _check_sizes(keys)
     n_layer = keys.int("block_count", 1, MAX_LAYERS)
     assert n_layer is not None  # build_layout required it as a scalar
@@ -127,13 +126,19 @@ def check_hparams(first: ShardIndex, layout: ModelLayout) -> None:
     _check_eps(keys)
     n_head = keys.per_layer("attention.head_count", n_layer, 1, None)
     # A hybrid that marks its recurrent blocks by 0 KV heads (lfm2moe) has zeros there by design.
-    kv_lo = 0 if RECIPES.get(layout.arch) is not None and RECIPES[layout.arch].recurrent_marker == "kv_heads" else 1
+    kv_lo = 0 if recipe is not None and recipe.recurrent_marker == "kv_heads" else 1
     n_head_kv = keys.per_layer("attention.head_count_kv", n_layer, kv_lo, None)
     n_head_kv = [kv if kv is not None else h for kv, h in zip(n_head_kv, n_head)]
     heads = _HeadSizes.of(keys, n_embd, n_head)
     n_ff = keys.per_layer("feed_forward_length", n_layer, 1, None)
     n_ff_exp = keys.per_layer("expert_feed_forward_length", n_layer, 1, None)
     _check_shared_expert(keys, layout, n_ff[0])
+    _check_dense_ffn(keys, layout, n_ff)
+    _check_positive(keys)
+    if recipe is not None and recipe.mla:
+        _check_mla(keys, layout, n_embd, n_head, n_head_kv)
+    if recipe is not None and recipe.gated_delta_net:
+        _check_gated_delta_net(keys)
     _check_layers(first, layout, n_layer)
     n_vocab = _check_vocab(first)
     _check_shapes(layout, n_embd, n_vocab, n_head, n_head_kv, heads, n_ff_exp)
@@ -164,6 +169,86 @@ def _check_shared_expert(keys: _Keys, layout: ModelLayout, n_ff: int | None) -> 
             f"{keys.path}: the shared expert needs {keys.name('expert_shared_feed_forward_length')} "
             f"(or {keys.name('feed_forward_length')}) above 0"
         )
+
+
+def _check_dense_ffn(keys: _Keys, layout: ModelLayout, n_ff: Sequence[int | None]) -> None:
+    """A dense FFN block (a leading dense block, an interleaved one) is sized by feed_forward_length:
+    absent, llama.cpp sizes it 0 and asserts (``ne[dim] >= 1``); otherwise it must match the file."""
+    for il in range(layout.n_layer):
+        span = layout.tensors.get(f"blk.{il}.ffn_up.weight")
+        if span is None:
+            continue
+        width = n_ff[il] if il < len(n_ff) else None
+        if not width:
+            raise ModelFileError(f"{keys.path}: {keys.name('feed_forward_length')} is missing or 0, and block {il}'s "
+                                 "dense FFN is sized by it (llama.cpp aborts)")
+        if len(span.ne) == 2 and span.ne[1] != width:
+            raise ModelFileError(f"{keys.path}: blk.{il}.ffn_up.weight is {list(span.ne)}, but "
+                                 f"{keys.name('feed_forward_length')} is {width}")
+
+
+def _check_positive(keys: _Keys) -> None:
+    """The recipe's keys whose 0 sizes a tensor the loader always creates to 0 (an abort)."""
+    recipe = RECIPES.get(keys.arch)
+    for key in recipe.positive_keys if recipe is not None else ():
+        if keys.has(key) and keys.int(key, 1) is None:
+            raise ModelFileError(f"{keys.path}: metadata key {keys.name(key)!r} is an array, llama.cpp reads one value")
+
+
+def _check_mla(keys: _Keys, layout: ModelLayout, n_embd: int | None, n_head: Sequence[int | None],
+               n_head_kv: Sequence[int | None]) -> None:
+    """deepseek2's latent attention: the query/key head is the nope part plus the rope part, and
+    with the *_mla keys the cache holds one head of kv_lora_rank + rope. A deleted or edited head
+    key makes a view wider than its tensor (ggml asserts) or a nope part below 1 (the loader asserts)."""
+    path, n = keys.path, keys.name
+    head = n_head[0]
+    if n_embd is None or head is None:
+        return
+    default = n_embd // head
+    k = keys.int("attention.key_length", 1, default=default)
+    v = keys.int("attention.value_length", 1, default=default)
+    rot = keys.int("rope.dimension_count", 1, default=k)
+    kv_rank = keys.int("attention.kv_lora_rank", 1)
+    k_mla = keys.int("attention.key_length_mla", 0, default=0)
+    v_mla = keys.int("attention.value_length_mla", 0, default=0)
+    if None in (k, v, rot, kv_rank, k_mla, v_mla):
+        raise ModelFileError(f"{path}: a head size, rope dimension or lora rank key is an array")
+    is_mla = bool(k_mla and v_mla)
+    head_k = k_mla if is_mla else k
+    if head_k - rot < 1:  # type: ignore[operator]
+        what = "attention.key_length_mla" if is_mla else "attention.key_length"
+        raise ModelFileError(f"{path}: {n(what)} {head_k} leaves no room beside {n('rope.dimension_count')} {rot} "
+                             "(llama.cpp asserts a non-rope part of at least 1)")
+    if not is_mla:
+        return
+    if any(kv != 1 for kv in n_head_kv):
+        raise ModelFileError(f"{path}: {n('attention.head_count_kv')} must be 1 with latent attention "
+                             f"({n('attention.key_length_mla')} set); it is {n_head_kv[0]}")
+    if k != kv_rank + rot or v != kv_rank:  # type: ignore[operator]
+        raise ModelFileError(
+            f"{path}: with latent attention {n('attention.key_length')} must be kv_lora_rank + rope "
+            f"({kv_rank} + {rot}) and {n('attention.value_length')} kv_lora_rank; they are {k} and {v}")
+    span = layout.tensors.get(f"blk.{layout.n_layer - 1}.attn_kv_a_mqa.weight")
+    if span is not None and span.ne[1:2] != (kv_rank + rot,):  # type: ignore[operator]
+        raise ModelFileError(f"{path}: attn_kv_a_mqa is {list(span.ne)}, the metadata says kv_lora_rank + rope "
+                             f"= {kv_rank + rot}")  # type: ignore[operator]
+
+
+def _check_gated_delta_net(keys: _Keys) -> None:
+    """The gated delta net's tensors are sized by state_size x time_step_rank and its graph takes
+    the value head as inner_size / time_step_rank: unless inner_size is that product, a reshape
+    asserts (0 and 1 measured), and a huge one made the load balloon."""
+    n = keys.name
+    state, heads = keys.int("ssm.state_size", 1), keys.int("ssm.time_step_rank", 1)
+    groups, inner = keys.int("ssm.group_count", 1), keys.int("ssm.inner_size", 0)
+    if None in (state, heads, groups, inner):
+        return  # absent keys are the recipe's business (required), arrays the loader's
+    if inner != state * heads:  # type: ignore[operator]
+        raise ModelFileError(f"{keys.path}: {n('ssm.inner_size')} is {inner}; llama.cpp needs "
+                             f"{n('ssm.state_size')} x {n('ssm.time_step_rank')} = {state * heads}")  # type: ignore[operator]
+    if heads % groups:  # type: ignore[operator]
+        raise ModelFileError(f"{keys.path}: {n('ssm.time_step_rank')} {heads} is not a multiple of "
+                             f"{n('ssm.group_count')} {groups}")
 
 
 # Float keys a value of which at or under 0 breaks the model (rope over a base of 0 or less is NaN);
@@ -216,7 +301,11 @@ class _HeadSizes:
         if None in (k, v, rot, k_swa, v_swa, rot_swa):
             raise ModelFileError(f"{keys.path}: a head size or rope dimension key is an array")
         sizes = cls(k, v, rot, k_swa, v_swa, rot_swa)  # type: ignore[arg-type]
-        if keys.arch in _PLAIN_ATTENTION:  # MLA, gated or recurrent attention: their recipes check
+        for value, key in ((rot, "rope.dimension_count"), (rot_swa, "rope.dimension_count_swa")):
+            if value % 2:  # type: ignore[operator]  # every rope kernel asserts it (ops.cpp)
+                raise ModelFileError(f"{keys.path}: {keys.name(key)} is {value}; llama.cpp's rope needs it even")
+        recipe = RECIPES.get(keys.arch)
+        if recipe is not None and recipe.plain_attention:  # MLA, gated or recurrent attention: their recipes check
             sizes.check(keys)
         return sizes
 
@@ -229,7 +318,7 @@ class _HeadSizes:
             )
         if self.k_swa != self.v_swa:
             raise ModelFileError(f"{path}: sliding-window key and value head sizes differ ({self.k_swa}, {self.v_swa})")
-        if keys.arch in _FULL_ROPE and self.rot != self.k:
+        if RECIPES[keys.arch].full_rope and self.rot != self.k:
             raise ModelFileError(
                 f"{path}: {n('rope.dimension_count')} is {self.rot}, the head size is {self.k}; "
                 f"{keys.arch} ropes the whole head (llama.cpp asserts n_rot == head size)"
@@ -321,7 +410,9 @@ def _check_vocab(first: ShardIndex) -> int | None:
         pos = offset
         for i in range(count):  # bounds were checked by the index walk
             (n,) = struct.unpack_from("<Q", buf, pos)
-            token = buf[pos + 8 : pos + 8 + n]
+            # llama.cpp keys its map on the C string: a token differs from another only past a NUL
+            # byte is the same token there (the assert below), so compare up to the first NUL.
+            token = buf[pos + 8 : pos + 8 + n].split(b"\0", 1)[0]
             pos += 8 + n
             j = seen.setdefault(token, i)
             if j != i:
@@ -350,11 +441,6 @@ def _read_int_array(index: ShardIndex, key: str) -> tuple[int, ...]:
     return struct.unpack(fmt, _array_bytes(index, key, struct.calcsize(fmt)))
 
 
-# Architectures whose attention projections are plain q/k/v/o of head_count x key_length: the
-# others (gated queries, MLA, sinks, recurrent blocks) have shapes their own recipes check.
-_PLAIN_ATTENTION = frozenset({"qwen3moe", "qwen2moe", "olmoe", "llama", "gemma4"})
-
-
 def _check_shapes(
     layout: ModelLayout, n_embd: int | None, n_vocab: int | None, n_head: Sequence[int | None],
     n_head_kv: Sequence[int | None], heads: _HeadSizes | None, n_ff_exp: Sequence[int | None],
@@ -362,6 +448,8 @@ def _check_shapes(
     """The shapes the keys imply against the file's: a relabelled or edited file disagrees here."""
     path = layout.shards[0]
     expected: dict[str, list[tuple[int, ...]]] = {}
+    recipe = RECIPES.get(layout.arch)
+    plain = recipe is not None and recipe.plain_attention
 
     def want(name: str, *shapes: tuple[int | None, ...]) -> None:
         full = [s for s in shapes if None not in s]
@@ -381,7 +469,7 @@ def _check_shapes(
         want(b + "ffn_up_exps.weight", (n_embd, ff, layout.n_expert))
         want(b + "ffn_down_exps.weight", (ff, n_embd, layout.n_expert))
         want(b + "ffn_gate_up_exps.weight", (n_embd, None if ff is None else 2 * ff, layout.n_expert))
-        if heads is None or h is None or kv is None or layout.arch not in _PLAIN_ATTENTION:
+        if heads is None or h is None or kv is None or not plain:
             continue
         # Sliding-window layers (gemma4) have their own head size: either is accepted per layer.
         sizes = {(heads.k, heads.v), (heads.k_swa, heads.v_swa)}

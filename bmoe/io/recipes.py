@@ -71,6 +71,18 @@ class Recipe:
     # and asserts at the first decode (GGML_ASSERT(buffer), measured on a 2-block qwen35moe; an
     # all-conv lfm2moe fails its load instead): refused in Python either way.
     recurrent_marker: str = ""
+    # The graph asserts the rope spans the whole head (``GGML_ASSERT(n_embd_head == n_rot)``).
+    full_rope: bool = False
+    # Attention is plain q/k/v/o of head_count x key_length (per-layer KV heads allowed): the
+    # projections' shapes are checked against those keys.
+    plain_attention: bool = False
+    # Multi-head latent attention (deepseek2): head sizes are kv_lora_rank + rope and the *_mla keys.
+    mla: bool = False
+    # Gated delta net: ssm.inner_size must be ssm.state_size x ssm.time_step_rank (the tensors are
+    # sized by the product, the graph divides by the heads: anything else asserts).
+    gated_delta_net: bool = False
+    # Keys whose 0 sizes a tensor the loader creates unconditionally to 0 (``ne[dim] >= 1`` abort).
+    positive_keys: tuple[str, ...] = ()
 
     @property
     def expert_suffixes(self) -> tuple[str, ...]:
@@ -94,45 +106,54 @@ def _keys(*extra: str) -> tuple[str, ...]:
 RECIPES: dict[str, Recipe] = {
     r.arch: r
     for r in (
-        Recipe("qwen3moe", required_keys=_keys(EXPERT_WIDTH)),
+        Recipe("qwen3moe", required_keys=_keys(EXPERT_WIDTH), full_rope=True, plain_attention=True),
         # The shared expert (ffn_*_shexp) is a plain matmul: dense, so it stays resident.
-        Recipe("qwen2moe", required_keys=_keys(EXPERT_WIDTH)),
+        Recipe("qwen2moe", required_keys=_keys(EXPERT_WIDTH), full_rope=True, plain_attention=True),
         # olmoe and Mixtral size their experts by feed_forward_length, not the expert key.
-        Recipe("olmoe", required_keys=_keys(FFN_WIDTH), width_key=FFN_WIDTH),
+        Recipe("olmoe", required_keys=_keys(FFN_WIDTH), width_key=FFN_WIDTH, full_rope=True, plain_attention=True),
         # Mixtral: the gate experts are optional in the loader.
-        Recipe("llama", (SPLIT, ("ffn_up_exps", "ffn_down_exps")), _keys(FFN_WIDTH), width_key=FFN_WIDTH),
-        Recipe("gemma4", (FUSED, SPLIT), _keys(EXPERT_WIDTH, FFN_WIDTH), user_open_fuses=True),
+        Recipe("llama", (SPLIT, ("ffn_up_exps", "ffn_down_exps")), _keys(FFN_WIDTH), width_key=FFN_WIDTH,
+               full_rope=True, plain_attention=True),
+        Recipe("gemma4", (FUSED, SPLIT), _keys(EXPERT_WIDTH, FFN_WIDTH), user_open_fuses=True, plain_attention=True),
         # MXFP4 experts; router bias, per-expert biases and attention sinks stay resident (F32).
         Recipe(
             "gpt-oss", required_keys=_keys(EXPERT_WIDTH, "attention.sliding_window",
                                            "attention.layer_norm_rms_epsilon"),
             f32_suffixes=("attn_sinks.weight", "_exps.bias", "ffn_gate_inp.bias"),
+            full_rope=True, plain_attention=True,  # q/k/v are head_count x n_rot wide
         ),
         Recipe("qwen35moe", (SPLIT, FUSED), _keys(EXPERT_WIDTH, "rope.dimension_sections", *_SSM_KEYS),
-               user_open_fuses=True, recurrent=True, rope_sections=True, recurrent_marker="interval"),
+               user_open_fuses=True, recurrent=True, rope_sections=True, recurrent_marker="interval",
+               gated_delta_net=True),
         Recipe("qwen3next", (SPLIT, FUSED), _keys(EXPERT_WIDTH, *_SSM_KEYS), user_open_fuses=True, recurrent=True,
-               recurrent_marker="interval",
+               recurrent_marker="interval", gated_delta_net=True,
                user_open_refusal="qwen3next's user open creates the legacy ssm_in the file lacks (measured)"),
-        Recipe("qwen3vlmoe", required_keys=_keys("rope.dimension_sections"), rope_sections=True),
+        Recipe("qwen3vlmoe", required_keys=_keys("rope.dimension_sections"), rope_sections=True, full_rope=True,
+               plain_attention=True),
         Recipe("deepseek2", (SPLIT, FUSED), _keys(EXPERT_WIDTH, "expert_shared_count", "attention.kv_lora_rank"),
-               user_open_fuses=True),
-        Recipe("glm4moe", required_keys=_keys(EXPERT_WIDTH, "expert_shared_count")),
+               user_open_fuses=True, mla=True, positive_keys=("expert_shared_count",)),
+        Recipe("glm4moe", required_keys=_keys(EXPERT_WIDTH, "expert_shared_count"), plain_attention=True),
         # Experts are {E, feed_forward_length, N}, yet the loader also requires the expert key.
         Recipe("minimax-m2", required_keys=_keys(FFN_WIDTH, EXPERT_WIDTH), width_key=FFN_WIDTH,
                gating_required=True),
-        Recipe("llama4", required_keys=_keys(EXPERT_WIDTH, "interleave_moe_layer_step")),
+        Recipe("llama4", required_keys=_keys(EXPERT_WIDTH, "interleave_moe_layer_step"), full_rope=True,
+               plain_attention=True),
         Recipe("bailingmoe2", required_keys=_keys(EXPERT_WIDTH, "expert_shared_count", "expert_gating_func"),
-               gating_required=True),
+               gating_required=True, positive_keys=("expert_shared_count",)),
         # dots.llm1: the gating key is optional in the loader, absent it aborts (verified upstream).
-        Recipe("dots1", required_keys=_keys(EXPERT_WIDTH, "expert_shared_count"), gating_required=True),
+        Recipe("dots1", required_keys=_keys(EXPERT_WIDTH, "expert_shared_count"), gating_required=True,
+               full_rope=True, plain_attention=True, positive_keys=("expert_shared_count",)),
         # Hunyuan-A13B: experts are {E, feed_forward_length, N}; the loader still requires the expert key.
-        Recipe("hunyuan-moe", required_keys=_keys(FFN_WIDTH, EXPERT_WIDTH), width_key=FFN_WIDTH),
+        Recipe("hunyuan-moe", required_keys=_keys(FFN_WIDTH, EXPERT_WIDTH), width_key=FFN_WIDTH, full_rope=True,
+               plain_attention=True),
         # ERNIE 4.5 (published models: interleave_moe_layer_step 1); a step of 0 aborts (GGML_ASSERT
         # in the graph builder, verified). The gate experts are optional in the loader.
         Recipe("ernie4_5-moe", (SPLIT, ("ffn_up_exps", "ffn_down_exps")),
-               _keys(EXPERT_WIDTH, "interleave_moe_layer_step"), moe_step_positive=True),
+               _keys(EXPERT_WIDTH, "interleave_moe_layer_step"), moe_step_positive=True, full_rope=True,
+               plain_attention=True),
         Recipe("lfm2moe", required_keys=_keys(EXPERT_WIDTH, "expert_gating_func", "shortconv.l_cache"),
-               recurrent=True, recurrent_marker="kv_heads", gating_required=True),
+               recurrent=True, recurrent_marker="kv_heads", gating_required=True, plain_attention=True,
+               positive_keys=("shortconv.l_cache",)),
     )
 }
 
