@@ -258,3 +258,27 @@ def test_a_balloon_that_dies_between_rounds_stops_the_runs_after_it(model: Path,
     assert rows["stream_off"]["status"] == "measured" and rows["stream_off"]["rounds"] == 1
     assert "1 of 2 rounds failed: the memory balloon died" in rows["stream_off"]["notes"]
     assert result["config"]["balloon"]["alive_at_end"] is False
+
+
+def test_an_io_max_limit_is_put_back_after_every_child(model: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """A child killed by a timeout never restores the cgroup's io.max its engine set: the bench
+    puts the line back after each child, failed or not."""
+
+    class Line:
+        restored = 0
+
+        def restore(self) -> None:
+            self.restored += 1
+
+    line = Line()
+    sides = Sides(fail={"overlap": {0}})
+    args = parse([str(model), "--tokens", "4", "--ttft", "0", "--json", "--out", str(tmp_path / "i"),
+                  "--disk-limit", "300"])
+    machine = harness.Host(meminfo=lambda: {"MemTotal": 24 * GiB, "MemAvailable": 16 * GiB},
+                           cgroup_room=lambda: None, execute=sides,
+                           disk_limit_plan=lambda _paths, _rate: (line, "cgroup v2 io.max (a test's)"))
+    assert harness.run_bench_command(args, machine) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert line.restored == len(sides.calls) > 0
+    assert result["config"]["disk_limit_how"] == "cgroup v2 io.max (a test's)"

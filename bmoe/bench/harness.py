@@ -87,6 +87,7 @@ from bmoe.bench.plan import Outcome, Run, plan_runs
 from bmoe.bench.report import key_figures_markdown, markdown_table, out_dir_for, write_report
 from bmoe.bench.summary import Conditions, Probes, summarize
 from bmoe.errors import BmoeError
+from bmoe.io.iomax import IoMax
 from bmoe.io.layout import split_shard_paths
 from bmoe.io.paths import check_output, check_output_dir, check_plot_output
 from bmoe.pipeline.budget import read_meminfo
@@ -171,23 +172,18 @@ def _stderr_log(line: str) -> None:
 class Host:
     """What the bench reads of the machine and how it runs a side, in one place so that a test
     hands in its own (memory numbers, a balloon that reports its pid, a side that fails) instead
-    of patching this module: /proc/meminfo, the cgroup's room, the balloon, one configuration's run."""
+    of patching this module: /proc/meminfo, the cgroup's room, the balloon, one configuration's run,
+    the spinning processes, how a disk limit is held."""
 
     meminfo: Callable[[], Mapping[str, int]] = read_meminfo
     cgroup_room: Callable[[], int | None] = cgroup_room
     balloon: Callable[[int], Balloon] = Balloon
     execute: Callable[[Run, Path, BenchOptions, Path], Outcome] = side.execute
     spinners: Callable[[int], Spinners] = Spinners
+    disk_limit_plan: Callable[[Sequence[Path], float], tuple[IoMax | None, str]] = disk_limit_plan
 
     def available(self) -> int:
         return available_bytes(self.meminfo(), self.cgroup_room())[0]
-
-
-def disk_limit_how(opts: BenchOptions, shards: Sequence[Path]) -> str | None:
-    """How the streamed runs' engines hold ``--disk-limit``: the same choice they make at open."""
-    if opts.disk_limit_mib_s is None:
-        return None
-    return disk_limit_plan(shards, opts.disk_limit_mib_s)[1]
 
 
 def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda _l: None,
@@ -211,6 +207,11 @@ class Bench:
         self.layout = open_layout(opts.model)
         self.model = Path(self.layout.shards[0])
         self.slice_bytes = self.layout.layer_experts(self.layout.moe_layers[0])[0].stride
+        # --disk-limit: the choice every streamed run's engine makes at open, and, where that is the
+        # cgroup's io.max, its line as it was before any run, put back after every child (a child
+        # killed by a timeout or the OOM killer never restores what its engine set).
+        self.io_max, self.disk_limit_how = (None, None) if opts.disk_limit_mib_s is None else host.disk_limit_plan(
+            self.layout.shards, opts.disk_limit_mib_s)
 
     def probe(self, lanes: int, what: str = "", fresh: bool = False) -> dict[str, Any]:
         """The device's random-read rate of the model's own slices at ``lanes`` lanes (or the
@@ -266,7 +267,7 @@ class Bench:
         probe_end = self.probe(opts.io_threads, " again, after the runs")  # how far the device's rate drifted
         busy_info["how"] = Spinners(opts.busy).how if opts.busy else "none: the machine as it was"
         result = summarize(runs, Probes(probes, probe_fresh, probe_end), layout, opts, machine,
-                           Conditions(balloon_info, busy_info, disk_limit_how(opts, layout.shards)), self.started)
+                           Conditions(balloon_info, busy_info, self.disk_limit_how), self.started)
         write_report(result, out_dir, opts.plot)
         return result
 
@@ -300,7 +301,11 @@ class Bench:
         evict_file_cache(self.layout.shards)
         mem, load = self.host.available(), os.getloadavg()[0]
         self.log(f"{run.label}: running" + (f" ({which})" if which else ""))
-        outcome = self.host.execute(run, self.model, opts, scratch)
+        try:
+            outcome = self.host.execute(run, self.model, opts, scratch)
+        finally:
+            if self.io_max is not None:
+                self.io_max.restore()
         outcome.mem_available_before, outcome.load_before, outcome.probe_mib_s = mem, load, row_probe
         run.rounds.append(outcome)
         if outcome.error:
