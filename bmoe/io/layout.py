@@ -203,6 +203,7 @@ def build_layout(indexes: Sequence[ShardIndex]) -> ModelLayout:
     metadata = first.metadata
     arch = _require(first, "general.architecture")
     recipe = recipe_for(str(arch))
+    check_same_set(indexes)
     tensors: dict[str, TensorSpan] = {}
     for index in indexes:
         for span in index.tensors:
@@ -232,6 +233,30 @@ def build_layout(indexes: Sequence[ShardIndex]) -> ModelLayout:
         n_nextn=n_nextn,
         arrays=first.arrays,
     )
+
+
+def check_same_set(indexes: Sequence[ShardIndex]) -> None:
+    """Refuse a split set whose shards disagree on a key they both carry: shards of two models
+    mixed in one set (llama.cpp would run it and print wrong text, exit 0).
+
+    Writers put the model's metadata in shard 1 only; later shards carry ``split.*`` (the set's
+    shard and tensor counts, on every shard: gguf-split and gguf-py both write them) and, from
+    some writers, ``general.architecture`` and other identity keys. Every such key must agree with
+    shard 1. What this cannot see (README, Supported architectures): two models of the same
+    architecture, shapes and tensor types split at the same tensors, whose later shards carry only
+    ``split.*``: nothing in a GGUF names the set a shard belongs to, and only the tensor data differ.
+    """
+    first = indexes[0]
+    for index in indexes[1:]:
+        for key, value in index.metadata.items():
+            if key == "split.no" or key not in first.metadata:
+                continue
+            want = first.metadata[key]
+            if value != want and not (value != value and want != want):  # NaN equals NaN here
+                raise ModelFileError(
+                    f"{index.path}: {key} is {value!r} where shard 1 says {want!r}: shards of different "
+                    "models mixed in one split set?"
+                )
 
 
 def block_of(name: str) -> int:
