@@ -266,6 +266,16 @@ def _mmap_child(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+Checkpoint = Callable[[dict[str, Any]], None]
+
+# How each kind of side measures, by ``Run.kind``: a new kind of side (one generation per step
+# over many sequences, a drafted one) is a function here and runs of that kind in ``plan_runs``.
+SIDES: dict[str, Callable[[dict[str, Any], Checkpoint], dict[str, Any]]] = {
+    "bmoe": lambda spec, checkpoint: run_async(_bmoe_child(spec, checkpoint)),
+    "mmap": lambda spec, _checkpoint: _mmap_child(spec),
+}
+
+
 def child_main(spec_path: str, result_path: str) -> int:
     from bmoe.bench.balloon import die_with_parent, offer_to_oom_killer
 
@@ -273,10 +283,7 @@ def child_main(spec_path: str, result_path: str) -> int:
     offer_to_oom_killer()
     spec = json.loads(Path(spec_path).read_text())
     try:
-        if spec["kind"] == "mmap":
-            out = _mmap_child(spec)
-        else:
-            out = run_async(_bmoe_child(spec, lambda partial: _write_json(Path(result_path), partial)))
+        out = SIDES[spec["kind"]](spec, lambda partial: _write_json(Path(result_path), partial))
         out["peak_rss_bytes"] = peak_rss_bytes()  # VmHWM: ru_maxrss would carry the parent's peak
         code = 0
     except BmoeError as e:

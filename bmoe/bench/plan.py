@@ -3,7 +3,7 @@ skipped: pure arithmetic over the model's layout, the options and the memory ava
 
 A configuration is a ``Run``: an id, a label, a ``kind`` of side (``bmoe``: bmoe's engine with a
 RunConfig; ``mmap``: stock llama-cpp-python) and what that side's child needs. A new kind of side
-joins here (a run of that kind in ``plan_runs``) and in ``bmoe.bench.child`` (how its child
+joins here (runs of that kind in ``plan_runs``) and in ``bmoe.bench.child.SIDES`` (how its child
 measures); the rounds, the summary rows and the report take every run alike."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class Run:
 
     id: str
     label: str
-    kind: str  # "bmoe" or "mmap"
+    kind: str  # a key of bmoe.bench.child.SIDES: "bmoe" (a Session of ``config``) or "mmap" (stock)
     config: dict[str, Any] = field(default_factory=dict)  # RunConfig keyword arguments
     warmup: str = "short"  # "short": --warmup tokens of WARMUP_PROMPT; "same": the measured generation
     skip: str | None = None
