@@ -357,6 +357,7 @@ def sweep_and_squeeze(f: Figures, runs: list[Run], opts: BenchOptions) -> None:
         f.how["squeeze"] = f.out["squeeze"].pop("how")
         before, after = f.out["squeeze"].get("tok_per_s_before"), f.out["squeeze"].get("tok_per_s_after")
         f.out["squeeze"]["after_over_before"] = rounded(after / before, 3) if after is not None and before else None
+        f.how["squeeze"] += "; after_over_before = tok_per_s_after / tok_per_s_before"
     elif squeeze is not None:
         f.notes["squeeze"] = f"squeeze: {rows_by['squeeze']['notes'] or 'not measured'}"
     else:
