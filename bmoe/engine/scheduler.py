@@ -33,17 +33,48 @@ import codecs
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
+from bmoe.engine.config import RunConfig
 from bmoe.engine.drafts import NgramDrafter
+from bmoe.engine.pieces import Piece, Usage
 from bmoe.engine.sampling import Sampler, SamplingParams, logprobs_of
 from bmoe.engine.stops import StopStrings
 from bmoe.errors import DecodeAbortedError, GenerationCancelled, SessionClosedError
-from bmoe.llama.seam import Step
+from bmoe.llama.seam import LlamaModel, Step
+from bmoe.metrics.stats import GenerationStats
 from bmoe.pipeline.events import PHASE_DECODE, PHASE_PREFILL
 
-if TYPE_CHECKING:  # the session is the scheduler's host; it imports this module, not the reverse
-    from bmoe.engine.session import Session
+
+class StepHost(Protocol):
+    """What the step loop uses of its session (``bmoe.engine.session.Session``, which makes the
+    scheduler and imports this module, never the reverse): the model and its callback, the
+    measured decode, the prompt planner, the per-generation figures, and the session's state."""
+
+    config: RunConfig
+    _model: LlamaModel
+    _callback: Any  # a bmoe.llama.callback.EvalCallback: its gate and expert-major
+    _streaming: Any  # a bmoe.engine.streaming.Streamer, or None when resident
+    _watch: Any  # a bmoe.io.watch.FileWatch, or None
+    last_stats: GenerationStats | None
+    last_usage: Usage | None
+
+    @property
+    def closed(self) -> bool: ...
+
+    async def _measured_step(self, step: Step, n: int, phase: int) -> Any: ...
+
+    def _plan_prompt(self, tokens: list[int]) -> Iterator[list[int]]: ...
+
+    def _prompt_choice(self) -> Any: ...
+
+    def _new_stats(self, prompt_tokens: int) -> GenerationStats: ...
+
+    def _finish_stats(self, stats: GenerationStats, start: Any) -> None: ...
+
+    def _counters(self) -> Any: ...
+
+    def _token_metrics(self, index: int, token: int, m: Any, start: Any) -> Any: ...
 
 
 @dataclass
@@ -135,11 +166,11 @@ class _Seq:
         self.i += 1
         text = self.stops.feed(self.decoder.decode(model.piece(token), final=self.i == self.max_tokens))
         if self.stops.hit is None and self.i < self.max_tokens:
-            self.queue.put_nowait(_piece(token, text, metrics, lp))
+            self.queue.put_nowait(Piece(token, text, metrics, lp))
             self.context.append(token)
             return token
         finish = "stop" if self.stops.hit is not None else "length"
-        self.queue.put_nowait(_piece(token, text + self.stops.flush(), metrics, lp, finish, self._usage()))
+        self.queue.put_nowait(Piece(token, text + self.stops.flush(), metrics, lp, finish, self._usage()))
         self._close()
         return None
 
@@ -148,7 +179,7 @@ class _Seq:
         if self.done:
             return
         tail = self.stops.feed(self.decoder.decode(b"", final=True)) + self.stops.flush()
-        self.queue.put_nowait(_piece(None, tail, finish_reason=finish, usage=self._usage()))
+        self.queue.put_nowait(Piece(None, tail, finish_reason=finish, usage=self._usage()))
         self._close()
 
     def fail(self, exc: BaseException) -> None:
@@ -157,9 +188,7 @@ class _Seq:
         self.queue.put_nowait(exc)
         self._close()
 
-    def _usage(self):  # noqa: ANN202 - a session.Usage
-        from bmoe.engine.session import Usage  # noqa: PLC0415 - the host's value type
-
+    def _usage(self) -> Usage:
         usage = Usage(len(self.prompt), self.completion, len(self.prompt) - self.reused)
         self.sched.host.last_usage = usage
         return usage
@@ -176,16 +205,10 @@ class _Seq:
         self.sched._release(self)
 
 
-def _piece(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - a session.Piece
-    from bmoe.engine.session import Piece  # noqa: PLC0415 - the host's value type
-
-    return Piece(*args, **kwargs)
-
-
 class Scheduler:
     """The step loop of one session (made by the session when ``RunConfig.stepped``)."""
 
-    def __init__(self, host: Session) -> None:
+    def __init__(self, host: StepHost) -> None:
         self.host = host
         model = host._model
         self.slots = [Slot(i) for i in range(model.n_seq_max)]

@@ -21,7 +21,7 @@ import warnings
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -32,6 +32,7 @@ from bmoe.llama.expert_major import GROUP_EXPERTS, ExpertMajor, Shapes
 from bmoe.llama.isolate import check_first_open
 from bmoe.llama.loader import OpenedModel, capture_weights, open_model
 from bmoe.engine.lossy import LoadOverrides, load_overrides, lossy_callback
+from bmoe.engine.pieces import FinishReason, Generation, Piece, Usage
 from bmoe.engine.prefill import planner_of, prefill_batches
 from bmoe.engine.scheduler import Scheduler
 from bmoe.engine.sampling import (
@@ -76,44 +77,6 @@ from bmoe.stages.predict import LiveRouters, Predictor, router_name
 _EXPERT_TENSOR = re.compile(rb"^blk\.(\d+)\.([a-z_]+_exps)\.weight$")
 
 
-FinishReason = Literal["stop", "length", "cancelled"]
-
-
-@dataclass(frozen=True)
-class Usage:
-    """Tokens of one generation: the prompt's, those generated, and how many of the prompt's were
-    evaluated (the others were already in the context from an earlier call)."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    prompt_evaluated: int
-
-    @property
-    def prompt_reused(self) -> int:
-        return self.prompt_tokens - self.prompt_evaluated
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One generated token and the text it lets through (empty while a possible stop string is
-    held back). The last piece of a generation carries ``finish_reason`` and ``usage`` and any
-    text still held back: "stop" (an end-of-generation token or a stop string), "length"
-    (max_tokens reached) or "cancelled" (``cancel()`` / ``close()``). It is the last token's piece,
-    or, when no token ended the generation (end of generation, cancel), a piece whose ``token`` is
-    None."""
-
-    token: int | None
-    text: str
-    metrics: TokenMetrics | None = None
-    logprob: TokenLogprob | None = None
-    finish_reason: FinishReason | None = None
-    usage: Usage | None = None
-
-
 @dataclass(frozen=True)
 class _Measure:
     wall_s: float
@@ -122,16 +85,6 @@ class _Measure:
     before: ProcessSample
     after: ProcessSample
     next_step: int
-
-
-@dataclass
-class Generation:
-    tokens: list[int] = field(default_factory=list)
-    text: str = ""
-    stats: GenerationStats | None = None
-    finish_reason: FinishReason | None = None
-    usage: Usage | None = None
-    logprobs: list[TokenLogprob] | None = None  # one per token, when sampling asked for them
 
 
 class Session:
