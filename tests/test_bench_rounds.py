@@ -133,6 +133,8 @@ def test_rounds_run_interleaved_and_report_medians_spreads_and_load(model: Path,
     assert result["p3_stream_over_mmap"] == round(61.0 / 100.5, 3)
     assert result["best_fixed_tok_s"] == 70.1 and result["auto_over_best_fixed"] == round(56.0 / 70.1, 3)
     assert result["identical_tokens"] is True
+    assert result["overlap_over_stream_off"] == round(25.0 / 20.0, 3) and "overlap_over_stream_off" not in result["notes"]
+    assert result["readahead_worst_over_off"] is None and result["notes"]["readahead_worst_over_off"]  # --ttft 0
     md = (tmp_path / "r" / "bench.md").read_text()
     assert "± tok/s" in md and "rounds: 3" in md
 

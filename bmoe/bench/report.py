@@ -40,7 +40,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 KEYS = ("device_read_mb_s", "stream_cache_off_read_mb_s", "resident_tok_s", "mmap_norepack_tok_s", "stock_tok_s",
         "stream_tok_s", "stream_auto_tok_s", "all_cached_tok_s", "p1_all_cached_over_resident", "p2_read_over_device",
-        "p3_stream_over_mmap", "p3_auto_over_mmap", "best_fixed_tok_s", "auto_over_best_fixed", "identical_tokens")
+        "p3_stream_over_mmap", "p3_auto_over_mmap", "best_fixed_tok_s", "auto_over_best_fixed", "readahead_worst_over_off", "overlap_over_stream_off",
+        "identical_tokens")
 
 
 def key_figures_markdown(result: dict[str, Any]) -> str:

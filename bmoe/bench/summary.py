@@ -327,6 +327,40 @@ def first_token_figures(f: Figures, auto: Mapping[str, Any], opts: BenchOptions)
                                 else "no time to first token with read figures was measured")
 
 
+# A default that loses to its "off" by more than this is flagged (issue 40's bound for noise).
+LOSES_BY = 1.05
+
+
+def lever_figures(f: Figures) -> None:
+    """Whether the levers pay here: the prompt's read-ahead (on by default) against the same
+    prompts without it, at its worst over the measured lengths, warm and cold; and overlap (off by
+    default) against the same cache-off run without it. A figure past ``LOSES_BY`` the wrong way
+    says so in ``notes``."""
+    ratios = {f"{which} {k}": v["ttft_over_no_predict"]
+              for which, key in (("warm", "ttft_floor"), ("cold", "ttft_cold_floor"))
+              for k, v in (f.out.get(key) or {}).items() if v.get("ttft_over_no_predict") is not None}
+    worst = max(ratios, key=lambda k: ratios[k]) if ratios else None
+    f.out["readahead_worst_over_off"] = ratios[worst] if worst else None
+    f.how["readahead_worst_over_off"] = (
+        "the largest ttft_over_no_predict over the measured prompt lengths, warm and cold: a time to first token "
+        "with the prompt's read-ahead over the same prompt without it" + (f" ({worst} tokens)" if worst else ""))
+    if worst is None:
+        f.notes["readahead_worst_over_off"] = "no prompt was measured both with and without read-ahead"
+    elif ratios[worst] > LOSES_BY:
+        f.notes["readahead_worst_over_off"] = (f"read-ahead lost to off: {ratios[worst]}x at {worst} tokens "
+                                               f"(more than {LOSES_BY}x)")
+    rows = f.rows_by
+    f.out["overlap_over_stream_off"] = (
+        rounded(rows["overlap"]["tok_s"] / rows["stream_off"]["tok_s"], 3)
+        if rows.get("overlap", {}).get("tok_s") is not None and rows.get("stream_off", {}).get("tok_s") else None)
+    f.how["overlap_over_stream_off"] = "decode tok/s with --overlap over the same cache-off run without it"
+    ratio = f.out["overlap_over_stream_off"]
+    if ratio is None:
+        f.notes["overlap_over_stream_off"] = "the overlap or the cache-off run was not measured"
+    elif ratio < 1 / LOSES_BY:
+        f.notes["overlap_over_stream_off"] = f"overlap lost to off here: {ratio}x"
+
+
 def sweep_and_squeeze(f: Figures, runs: list[Run], opts: BenchOptions) -> None:
     """The fixed-budget sweep's curve, and the squeezed auto run's before and after."""
     rows_by = f.rows_by
@@ -412,6 +446,7 @@ def summarize(runs: list[Run], probes: Probes, layout: Any, opts: BenchOptions, 
     speed_figures(f, runs, opts)
     auto = next(run for run in runs if run.id == "stream_auto").result or {}
     first_token_figures(f, auto, opts)
+    lever_figures(f)
     sweep_and_squeeze(f, runs, opts)
     out, notes, how = f.out, f.notes, f.how
     ids = [row["identical_tokens"] for row in rows if row["id"] != "mmap" and row["identical_tokens"] is not None]
