@@ -71,6 +71,7 @@ from typing import Any
 
 from bmoe.bench import side
 from bmoe.bench.balloon import Balloon, BalloonPlan, GiB, available_bytes, cgroup_room, plan_balloon
+from bmoe.bench.busy import Spinners
 from bmoe.bench.machine import machine_info
 from bmoe.bench.options import (
     GIB_VALUE,
@@ -82,7 +83,6 @@ from bmoe.bench.options import (
     int_list,
     mib_list,
 )
-from bmoe.bench.busy import Spinners
 from bmoe.bench.plan import Outcome, Run, plan_runs
 from bmoe.bench.report import key_figures_markdown, markdown_table, out_dir_for, write_report
 from bmoe.bench.summary import Conditions, Probes, summarize
