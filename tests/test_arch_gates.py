@@ -4,7 +4,7 @@ Per architecture, on a file the pinned llama.cpp loads and decodes: streamed == 
 cache off and with a cache so small it evicts within every token, on 1 and 4 read lanes, serial
 and with overlap; a poison run (every non-routed slot NaN) identical; a negative control (one routed
 expert never read) different; and exact reads counted only in the MoE layers. The fixtures carry
-what each family brings: dense lead blocks (glm4moe, deepseek2, bailingmoe2, lfm2moe), interleaved
+what each family brings: dense lead blocks (glm4moe, deepseek2, bailingmoe2, lfm2moe, deepseek), interleaved
 dense/MoE (llama4), recurrent blocks (qwen35moe, qwen3next, lfm2moe), MXFP4 experts with resident
 per-expert biases (gpt-oss), shared experts and selection biases, MTP blocks (glm4moe, qwen35moe).
 """
@@ -45,6 +45,12 @@ SPECS = {
     "ernie4_5-moe": TinySpec(arch="ernie4_5-moe", **W),
     "olmoe": TinySpec(arch="olmoe", wtype="f16", **W),
     "llama": TinySpec(arch="llama", wtype="q8_0", **W),  # Mixtral
+    # Issue 37's first batch: the plain MoE block with other trimmings.
+    "granitemoe": TinySpec(arch="granitemoe", wtype="f16", **W),  # + a shared expert, the four scales
+    "bailingmoe": TinySpec(arch="bailingmoe", wtype="q8_0", **W),  # two shared experts
+    "deepseek": TinySpec(arch="deepseek", **W),  # a leading dense block, two shared experts
+    "smallthinker": TinySpec(arch="smallthinker", wtype="q8_0", **W),  # router before attention
+    "phimoe": TinySpec(arch="phimoe", wtype="f16", **W),  # LayerNorm with biases, an output bias
 }
 EVICTING = MiB  # the smallest budget RunConfig takes
 
@@ -94,6 +100,7 @@ EXPECTED_MOE_LAYERS = {
     "qwen35moe": (0, 1),  # block 2 MTP
     "dots1": (1,),
     "ernie4_5-moe": (1,),
+    "deepseek": (1, 2),
 }
 
 
@@ -177,7 +184,7 @@ def test_fused_hybrid_files_open_as_cheaply_as_they_can(tiny, arch: str, mode: s
     assert open_mode == mode and tokens == tiny.resident_tokens(path)
 
 
-@pytest.mark.parametrize("arch", ["llama", "ernie4_5-moe"])
+@pytest.mark.parametrize("arch", ["llama", "ernie4_5-moe", "granitemoe"])
 def test_up_down_only_experts(tiny, arch: str) -> None:
     """The loaders take experts without gate projections here: two projections stream, same tokens."""
     spec = dataclasses.replace(SPECS[arch], gate_experts=False)

@@ -84,6 +84,18 @@ FAULTS = [
     ("full-rope-narrow", TinySpec(arch="hunyuan-moe"), set_u32("hunyuan-moe.rope.dimension_count", 8),
      "ropes the whole head"),
     ("token-equal-up-to-nul", TinySpec(arch="qwen3moe"), nul_twin, "are the same string"),
+    # Issue 37's first batch (granitemoe, bailingmoe, deepseek, smallthinker, phimoe).
+    ("gating-absent-smallthinker", TinySpec(arch="smallthinker"), drop("smallthinker.expert_gating_func"),
+     "expert_gating_func"),
+    ("granite-rope-narrow", TinySpec(arch="granitemoe"), set_u32("granitemoe.rope.dimension_count", 16),
+     "ropes the whole head"),
+    ("shared-count-zero-bailingmoe", TinySpec(arch="bailingmoe"), set_u32("bailingmoe.expert_shared_count", 0),
+     "expert_shared_count' is 0"),
+    ("shared-count-zero-deepseek", TinySpec(arch="deepseek"), set_u32("deepseek.expert_shared_count", 0),
+     "expert_shared_count' is 0"),
+    ("phimoe-rope-odd", TinySpec(arch="phimoe"), set_u32("phimoe.rope.dimension_count", 7), "needs it even"),
+    ("granite-logit-scale-zero", TinySpec(arch="granitemoe"),
+     set_value("granitemoe.logit_scale", 0.0, GGUFValueType.FLOAT32), "logit_scale' is 0.0, not a positive"),
     ("gating-absent", TinySpec(arch="minimax-m2"), drop("minimax-m2.expert_gating_func"), "expert_gating_func"),
     ("gating-absent-dots1", TinySpec(arch="dots1"), drop("dots1.expert_gating_func"), "expert_gating_func"),
     ("gating-invalid", TinySpec(arch="glm4moe"), set_u32("glm4moe.expert_gating_func", 7), "expert_gating_func is 7"),
@@ -177,8 +189,9 @@ def test_without_validation_the_same_fault_kills_the_process(tmp_path: Path) -> 
 # Where each issue-39 fault kills plain llama.cpp: at load, context or first decode ("abort"), or
 # only on the user open bmoe's streamed run takes, which creates tensors from the keys alone (the
 # loader's ne[dim] >= 1 assert; a plain load of the same file fails cleanly instead).
-ISSUE_39_FAULTS = [(f, "load error" if f[0] in ("dense-ffn-width-deleted", "shared-count-zero", "l-cache-zero")
-                    else "abort") for f in FAULTS[:10]]
+_LOAD_ERROR_IN_PLAIN = ("dense-ffn-width-deleted", "shared-count-zero", "l-cache-zero", "shared-count-zero-bailingmoe",
+                        "shared-count-zero-deepseek")
+ISSUE_39_FAULTS = [(f, "load error" if f[0] in _LOAD_ERROR_IN_PLAIN else "abort") for f in FAULTS[:15]]
 
 
 @pytest.mark.parametrize("spec,edit,plain", [(*f[1:3], k) for f, k in ISSUE_39_FAULTS],

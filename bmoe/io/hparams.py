@@ -254,7 +254,7 @@ def _check_gated_delta_net(keys: _Keys) -> None:
 # Float keys a value of which at or under 0 breaks the model (rope over a base of 0 or less is NaN);
 # rope.scaling.factor 0 means "none" to llama.cpp, so it needs only to be >= 0.
 _POSITIVE = ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon", "rope.freq_base",
-             "rope.freq_base_swa")
+             "rope.freq_base_swa", "logit_scale")  # granite divides its logits by logit_scale
 
 
 def _check_eps(keys: _Keys) -> None:

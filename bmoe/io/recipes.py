@@ -154,6 +154,22 @@ RECIPES: dict[str, Recipe] = {
         Recipe("lfm2moe", required_keys=_keys(EXPERT_WIDTH, "expert_gating_func", "shortconv.l_cache"),
                recurrent=True, recurrent_marker="kv_heads", gating_required=True, plain_attention=True,
                positive_keys=("shortconv.l_cache",)),
+        # Granite 3.x MoE: experts sized by feed_forward_length, gate experts optional, logit_scale
+        # required (the logits are divided by it); the graph asserts n_rot == head size.
+        Recipe("granitemoe", (SPLIT, ("ffn_up_exps", "ffn_down_exps")), _keys(FFN_WIDTH, "logit_scale"),
+               width_key=FFN_WIDTH, full_rope=True, plain_attention=True),
+        # Ling-lite / Ling-plus (Ling 1.x): q/k/v are head_count x rope dimensions wide.
+        Recipe("bailingmoe", required_keys=_keys(EXPERT_WIDTH, "expert_shared_count"), full_rope=True,
+               plain_attention=True, positive_keys=("expert_shared_count",)),
+        # DeepSeek-MoE 16B (V1): leading dense blocks, shared experts sized by their count.
+        Recipe("deepseek", required_keys=_keys(EXPERT_WIDTH, "expert_shared_count"), full_rope=True,
+               plain_attention=True, positive_keys=("expert_shared_count",)),
+        # SmallThinker: the router reads the block's input before attention; the loader takes the
+        # expert width and the gating key as optional, yet 0 / absent they abort.
+        Recipe("smallthinker", required_keys=_keys(EXPERT_WIDTH), gating_required=True, full_rope=True,
+               plain_attention=True),
+        # Phi-3.5-MoE: LayerNorm with biases, output bias; experts sized by feed_forward_length.
+        Recipe("phimoe", required_keys=_keys(FFN_WIDTH), width_key=FFN_WIDTH, plain_attention=True),
     )
 }
 

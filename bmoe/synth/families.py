@@ -66,6 +66,8 @@ class Family:
     # Family widths beyond the common ones (MLA ranks, gated-delta-net heads, groups, ...): the tiny
     # fixture's values; ``synth --like`` replaces them with a real model's (``MoeShape.extra``).
     extra: tuple[tuple[str, Any], ...] = ()
+    # Tensors beside token_embd / output_norm / output (phimoe's output biases), given the vocabulary size.
+    globals_: Callable[[_Builder, int], None] | None = None
 
 
 # --- shared pieces --------------------------------------------------------------------------
@@ -506,6 +508,93 @@ def _ffn_width_keys(arch: str) -> Callable[[GGUFWriter, _Builder], None]:
     return keys
 
 
+# --- granitemoe, bailingmoe, deepseek, smallthinker, phimoe: the plain MoE block, other trimmings ---
+
+
+GRANITE_SCALES = (("embedding_scale", 2.0), ("residual_scale", 0.5), ("attention_scale", 0.125), ("logit_scale", 2.0))
+
+
+def _granite_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "attn_norm.weight", E)
+    _attn(b, p, norms=False)
+    b.ones(p + "ffn_norm.weight", E)
+    _router(b, p)
+    b.experts(p)
+    _shexp(b, p, b.F_shexp)  # Granite MoE Shared: sized by expert_shared_feed_forward_length
+
+
+def _granite_keys(w: GGUFWriter, b: _Builder) -> None:
+    a = "granitemoe"
+    w.add_uint32(f"{a}.feed_forward_length", b.F)  # the experts' width on this arch
+    w.add_uint32(f"{a}.expert_shared_feed_forward_length", b.F_shexp)
+    for key, value in GRANITE_SCALES:
+        w.add_float32(f"{a}.{key}", value)
+
+
+def _bailingmoe_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "attn_norm.weight", E)
+    _attn(b, p, norms=False)  # q/k/v are head_count x rope dimensions wide (rope = head here)
+    b.ones(p + "ffn_norm.weight", E)
+    _router(b, p)
+    b.experts(p)
+    _shexp(b, p, b.F * b.x["n_shared"])
+
+
+def _bailingmoe_keys(w: GGUFWriter, b: _Builder) -> None:
+    a = "bailingmoe"
+    w.add_uint32(f"{a}.expert_shared_count", b.x["n_shared"])
+    w.add_bool(f"{a}.expert_weights_norm", True)
+    w.add_float32(f"{a}.expert_weights_scale", 1.0)
+
+
+def _deepseek_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "attn_norm.weight", E)
+    _attn(b, p, norms=False)
+    b.ones(p + "ffn_norm.weight", E)
+    _lead_or_moe_ffn(b, p, il, b.F * b.x["n_shared"], probs_bias=False)
+
+
+def _deepseek_keys(w: GGUFWriter, b: _Builder) -> None:
+    a = "deepseek"
+    w.add_uint32(f"{a}.feed_forward_length", b.F_dense)
+    w.add_uint32(f"{a}.expert_shared_count", b.x["n_shared"])
+    w.add_uint32(f"{a}.leading_dense_block_count", b.dense_lead)
+    w.add_float32(f"{a}.expert_weights_scale", 1.0)
+
+
+def _smallthinker_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "attn_norm.weight", E)
+    _attn(b, p, norms=False)
+    b.ones(p + "ffn_norm.weight", E)
+    _router(b, p)  # applied to the block's input, before attention (probs_in)
+    b.experts(p)
+
+
+def _smallthinker_keys(w: GGUFWriter, b: _Builder) -> None:
+    w.add_uint32("smallthinker.expert_gating_func", 1)  # softmax; absent, llama.cpp aborts
+
+
+def _phimoe_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "attn_norm.weight", E)
+    b.f32(p + "attn_norm.bias", (E,), SMALL_STD)  # LayerNorm with biases
+    _attn(b, p, norms=False)
+    b.f32(p + "attn_output.bias", (E,), SMALL_STD)
+    b.ones(p + "ffn_norm.weight", E)
+    b.f32(p + "ffn_norm.bias", (E,), SMALL_STD)
+    _router(b, p)
+    b.experts(p)
+
+
+def _phimoe_globals(b: _Builder, n_vocab: int) -> None:
+    b.f32("output_norm.bias", (b.E,), SMALL_STD)
+    b.f32("output.bias", (n_vocab,), 0.0)  # zero: the control tokens' rows stay at logit 0
+
+
 FAMILIES: dict[str, Family] = {
     f.arch: f
     for f in (
@@ -528,5 +617,11 @@ FAMILIES: dict[str, Family] = {
         Family("llama", _mixtral_layer, _ffn_width_keys("llama"), gate_optional=True),
         Family("lfm2moe", _lfm2_layer, _lfm2_keys, min_layers=3, default_layers=3,
                overrides=_lfm2_overrides, output_norm="token_embd_norm.weight"),
+        Family("granitemoe", _granite_layer, _granite_keys, gate_optional=True),
+        Family("bailingmoe", _bailingmoe_layer, _bailingmoe_keys, extra=(("n_shared", 2),)),
+        Family("deepseek", _deepseek_layer, _deepseek_keys, min_layers=2, default_layers=3,
+               extra=(("n_shared", 2),)),
+        Family("smallthinker", _smallthinker_layer, _smallthinker_keys),
+        Family("phimoe", _phimoe_layer, _ffn_width_keys("phimoe"), globals_=_phimoe_globals),
     )
 }

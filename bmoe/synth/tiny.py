@@ -263,6 +263,8 @@ def _family_plan(spec: TinySpec, dims: _Dims) -> list[_Tensor]:
     b.ones(family.output_norm, E)
     # Control tokens get all-zero logit rows so a random model does not stop at once.
     b.mat("output.weight", (V, E), E ** -0.5, zero_rows=CONTROL_IDS)
+    if family.globals_ is not None:
+        family.globals_(b, V)
     for il in range(spec.n_block):
         family.layer(b, il)
     return b.out
