@@ -26,7 +26,7 @@ from pathlib import Path
 from bmoe.bench.balloon import Balloon, GiB, plan_balloon
 from bmoe.engine.aio import run as run_async
 from bmoe.engine.config import MiB, RunConfig
-from bmoe.engine.lossy import parse_lossy
+from bmoe.cli.options import parse_lossy
 from bmoe.errors import BmoeError
 from bmoe.io.validate import open_layout
 from bmoe.quality import compare, shipped_prompts

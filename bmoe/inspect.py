@@ -8,11 +8,11 @@ and a decode speed forecast for a few budgets with every input shown and labelle
 came from:
 
 - read rate: the device probe ``inspect --probe`` stored for this device, at the size of one
-  projection of one expert (the slice the engine reads) and the lane count (unmeasured, and then no
-  forecast, until it has run; ``bmoe replay`` probes whole experts, so its probes serve inspect only
-  where the two sizes agree);
-- hit rate: a prior, the decode hit rate of an LRU cache replayed over the shared Qwen3-30B-A3B
-  trace, as a function of budget / expert bank (``HIT_PRIOR``); real models route differently;
+  projection of one expert (the slice the engine reads) and the lane count; until it has run, a
+  prior (``READ_PRIOR_MIB_S``), labelled so (``bmoe replay`` probes whole experts, so its probes
+  serve inspect only where the two sizes agree);
+- hit rate: a prior, the decode hit rate of an LRU cache replayed over a route trace of
+  Qwen3-30B-A3B, as a function of budget / expert bank (``HIT_PRIOR``); real models route differently;
 - compute: the bytes a token touches (dense part + the routed experts) over a memory throughput,
   a prior unless ``--compute-gbs`` gives a measured one.
 
@@ -21,7 +21,7 @@ open reads: the dense part (the user open), or the whole file once (MTP blocks, 
 experts of archs whose user open fuses them, or not enough memory for the user open's allocation).
 
 forecast tok/s = 1 / (read bytes per token / read rate + active bytes per token / compute rate),
-reads and compute in series (no overlap, no read-ahead).
+reads and compute in series (no overlap, no read-ahead). A model that cannot run gets no forecast.
 
 A file of an architecture with no bmoe recipe gets no report: the validation refuses it with one
 line (``UnsupportedArchitectureError``: "architecture 'X' has no bmoe recipe (supported: ...)").
@@ -30,17 +30,14 @@ So a report's ``supported`` is always true; the field stays for the JSON's reade
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gguf import GGMLQuantizationType
 
-from bmoe.argtypes import checked
 from bmoe.llama.loader import choose_open_mode
 from bmoe.io.layout import ModelLayout, block_of
 from bmoe.io.probe import cached_probe, stored_rate
@@ -61,13 +58,19 @@ DEFAULT_LANES = 2  # RunConfig's io_threads default
 # Prior compute rate: bytes of weights a 2-core CPU decode streams through per second. Not
 # measured per machine; --compute-gbs replaces it with a figure from a resident run.
 COMPUTE_PRIOR_GBS = 5.0
-# Decode hit % of a byte-budgeted global LRU, replayed (``bmoe replay --policy lru``) over
-# shared/traces/qwen3-30b-a3b.route.csv: 128 decode tokens, 48 layers, top-6 of 128, 17 928 MiB
-# bank, 840 MiB working set (0.047 of the bank; below it LRU hits nothing). By budget / bank.
+# Decode hit % of a byte-budgeted global LRU, replayed (``bmoe replay --policy lru``) over a route
+# trace of Qwen3-30B-A3B (the project's shared traces, not shipped): 128 decode tokens, 48 layers,
+# top-6 of 128, 17 928 MiB bank, 840 MiB working set (0.047 of the bank; below it LRU hits
+# nothing). By budget / bank.
 HIT_PRIOR: tuple[tuple[float, float], ...] = (
     (0.047, 0.0), (0.1, 53.2), (0.2, 76.7), (0.3, 89.4), (0.4, 94.7), (0.5, 96.7), (0.6, 97.1), (1.0, 97.1),
 )
-HIT_PRIOR_SOURCE = "prior: LRU decode hit % replayed over shared/traces/qwen3-30b-a3b.route.csv, by budget / bank"
+HIT_PRIOR_SOURCE = ("prior: an LRU cache's decode hit % replayed over a Qwen3-30B-A3B route trace (128 tokens), "
+                    "by budget / bank")
+# Prior read rate of one projection's slice at 2 lanes: the order bmoe's runs measured on cloud
+# NVMe volumes (docs/facts.md: 1,000 to 1,700 MiB/s). A forecast made with it says so; ``--probe``
+# measures this device instead.
+READ_PRIOR_MIB_S = 1000.0
 
 
 def hit_prior(budget: int, bank: int, working_set: int) -> float:
@@ -100,6 +103,8 @@ class Report:
     path: str
     arch: str
     supported: bool
+    parameters: int  # weights in the file (every tensor's elements, MTP blocks included)
+    context_length: int | None  # the context the model was trained for (<arch>.context_length)
     blocks: int
     moe_layers: list[int]
     layers: dict[str, int]  # moe / dense / recurrent / mtp
@@ -123,7 +128,7 @@ class Report:
     open_mode: str  # what a streamed run's --open-mode auto picks on this machine
     open_reason: str
     open_read_bytes: int  # what that open reads: the dense part, or the whole file once
-    read_mib_s: float | None
+    read_mib_s: float | None  # measured (a stored or fresh probe); None: unmeasured, the forecast uses a prior
     read_how: str
     compute_gbs: float
     compute_how: str
@@ -231,12 +236,16 @@ def inspect_model(path: str | os.PathLike[str], *, ram_bytes: int | None = None,
     directory = Path(layout.shards[0]).resolve().parent
     rate = cached_probe(directory, first.stride, lanes) if probe else stored_rate(directory, first.stride, lanes)
     read_how = rate.how + (" (cached)" if not probe else "") if rate else (
-        f"no cached probe for this device at {first.stride}-byte slices, {lanes} lanes: run with --probe")
+        f"prior: {READ_PRIOR_MIB_S:,.0f} MiB/s, not measured here (no stored probe of this device at "
+        f"{first.stride}-byte slices, {lanes} lanes; --probe measures it)")
+    read_mib_s = rate.mib_s if rate else READ_PRIOR_MIB_S
     gbs = compute_gbs if compute_gbs is not None else COMPUTE_PRIOR_GBS
     compute_how = (f"given (--compute-gbs {gbs:g})" if compute_gbs is not None
                    else f"prior: {gbs:g} GB/s of weights per second, not measured here")
     report = Report(
         path=str(layout.shards[0]), arch=layout.arch, supported=layout.arch in RECIPES,
+        parameters=sum(math.prod(s.ne) for s in layout.tensors.values()),
+        context_length=_int_or_none(layout.metadata.get(recipe.key("context_length"))),
         blocks=layout.n_layer, moe_layers=list(layout.moe_layers),
         layers={"moe": sum(k == "moe" for k in kinds.values()), "dense": sum(k == "dense" for k in kinds.values()),
                 "recurrent": len(recurrent), "mtp": layout.n_nextn},
@@ -254,14 +263,25 @@ def inspect_model(path: str | os.PathLike[str], *, ram_bytes: int | None = None,
     active = dense - (embd.nbytes if embd is not None and "output.weight" in layout.tensors else 0) + ws
     budgets = [(0, "cache off"), (budget.bytes, "auto"), (bank // 4, "quarter bank"), (bank // 2, "half bank"),
                (bank, "whole bank")]
-    for b, label in budgets:
+    for b, label in budgets if verdict != "cannot run" else ():
         hit = hit_prior(b, bank, ws)
         read_bytes = round(ws * (1 - hit / 100))
-        read_s = read_bytes / (rate.mib_s * MiB) if rate else None
+        read_s = read_bytes / (read_mib_s * MiB)
         compute_s = active / (gbs * 1e9)
-        tok_s = 1 / (read_s + compute_s) if read_s is not None else None
-        report.forecasts.append(Forecast(b, label, round(hit, 1), read_bytes, read_s, compute_s, tok_s))
+        report.forecasts.append(Forecast(b, label, round(hit, 1), read_bytes, read_s, compute_s, 1 / (read_s + compute_s)))
     return report
+
+
+def _int_or_none(value: object) -> int | None:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _count(n: int) -> str:
+    """A parameter count as a model card says it: 30.5B, 3.3M."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
 
 
 def _mib(n: int) -> str:
@@ -272,7 +292,8 @@ def render(r: Report) -> str:
     per = sorted(set(r.expert_bytes_per_layer.values()))
     lines = [
         f"{r.path}",
-        f"  architecture   {r.arch} ({'supported' if r.supported else 'not supported'})",
+        f"  architecture   {r.arch} ({'supported' if r.supported else 'not supported'}), {_count(r.parameters)} "
+        f"parameters, trained context {f'{r.context_length:,} tokens' if r.context_length else 'not given'}",
         f"  blocks         {r.blocks}: {r.layers['moe']} MoE, {r.layers['dense']} without experts, "
         f"{r.layers['recurrent']} recurrent, {r.layers['mtp']} MTP (skipped by llama.cpp)",
         f"  experts        {r.experts}, {r.experts_used} used per token, {r.shared_experts} shared (resident)",
@@ -284,45 +305,22 @@ def render(r: Report) -> str:
         f"  RAM            {_mib(r.ram_bytes)} ({r.ram_how}): {r.verdict.upper()} - {r.verdict_why}",
         f"  auto budget    {_mib(r.auto_budget_bytes)} ({r.auto_budget_how})",
         f"  open           {r.open_mode}, reads {_mib(r.open_read_bytes)} ({r.open_reason})",
-        f"  read rate      {f'{r.read_mib_s:,.0f} MiB/s' if r.read_mib_s else 'unmeasured'} ({r.read_how})",
+        f"  read rate      {f'{r.read_mib_s:,.0f} MiB/s' if r.read_mib_s else f'{READ_PRIOR_MIB_S:,.0f} MiB/s'} "
+        f"({r.read_how})",
         f"  compute        {r.compute_gbs:g} GB/s ({r.compute_how})",
         f"  hit rate       {r.hit_how}",
-        f"  forecast       {'cache':<12} {'budget':>13} {'hit%':>5} {'read/token':>13} {'read ms':>8} "
-        f"{'compute ms':>10}  {'tok/s':>6}",
     ]
+    if not r.forecasts:
+        lines.append("  forecast       none: the model cannot run with this RAM")
+        return "\n".join(lines)
+    lines.append(f"  forecast       {'cache':<12} {'budget':>13} {'hit%':>5} {'read/token':>13} {'read ms':>8} "
+                 f"{'compute ms':>10}  {'tok/s':>6}")
     for f in r.forecasts:
         read_ms = f"{f.read_s * 1e3:8.1f}" if f.read_s is not None else "       -"
         tok = f"{f.tok_s:6.2f}" if f.tok_s is not None else "     -"
         lines.append(f"                 {f.label:<12} {mib_text(f.budget_bytes, grouped=True):>9} MiB {f.hit_pct_prior:5.1f} "
                      f"{f.read_bytes_per_token / MiB:9,.1f} MiB {read_ms} {f.compute_s * 1e3:10.1f}  {tok}")
     return "\n".join(lines)
-
-
-def add_inspect_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("inspect", help="what a model is and how it would run here (index only)")
-    p.add_argument("model", type=Path, help="GGUF file (shard 1 of a split set)")
-    p.add_argument("--ram", type=checked(float, lambda v: 0 < v < math.inf, "a positive number of GiB"),
-                   default=None, metavar="GiB", help="RAM to plan for, in GiB (default: MemAvailable)")
-    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    p.add_argument("--probe", action="store_true", help="measure the device's read rate (cached) if unknown")
-    p.add_argument("--io-threads", type=checked(int, lambda v: 1 <= v <= 64, "1 to 64 read lanes"),
-                   default=DEFAULT_LANES, help=f"read lanes the forecast assumes (default: {DEFAULT_LANES})")
-    p.add_argument("--compute-gbs", type=checked(float, lambda v: 0 < v < math.inf, "a positive rate"),
-                   default=None, help=f"measured compute rate (GB/s of weights; default: a {COMPUTE_PRIOR_GBS:g} GB/s "
-                                      "prior)")
-    p.set_defaults(func=_cmd_inspect)
-    return p
-
-
-def _cmd_inspect(args: argparse.Namespace) -> int:
-    ram = None if args.ram is None else int(args.ram * GiB)
-    report = inspect_model(args.model, ram_bytes=ram, probe=args.probe, lanes=args.io_threads,
-                           compute_gbs=args.compute_gbs)
-    if args.json:
-        print(json.dumps(asdict(report)))
-    else:
-        print(render(report))
-    return 0
 
 
 def list_archs() -> str:
@@ -339,4 +337,4 @@ def list_archs() -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Report", "add_inspect_command", "hit_prior", "inspect_model", "list_archs", "render"]
+__all__ = ["Report", "hit_prior", "inspect_model", "list_archs", "render"]

@@ -15,23 +15,20 @@ compared (after an untimed warm-up of both on the first prompt):
 
 On a model with random weights (``bmoe synth``) these figures measure how far the lever perturbs
 the computation, not how much real text quality it costs.
+
+The command itself (its flags, from the engine's vocabulary) is ``bmoe.cli.quality``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 
 import numpy as np
 
-from bmoe.argtypes import number
-from bmoe.engine.aio import run as run_async
-from bmoe.engine.config import MiB, RunConfig
-from bmoe.engine.lossy import lossy_label, parse_lossy
+from bmoe.engine.config import RunConfig
+from bmoe.engine.lossy import lossy_label
 from bmoe.engine.session import Session
 from bmoe.errors import BmoeError, ConfigError, ModelFileError
 
@@ -172,67 +169,15 @@ def _check_finite(logits: np.ndarray, side: str, prompt: int) -> None:
         )
 
 
-# --- the command -------------------------------------------------------------------------------
-
-
-def add_quality_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "quality", help="measure a lossy lever: agreement and KL vs the exact run, and tok/s of both",
-        description=__doc__.split("\n\n")[0].replace("``", "") if __doc__ else None,
-    )
-    p.add_argument("model", type=Path, help="GGUF file (shard 1 of a split set)")
-    p.add_argument("--lossy", required=True, metavar='"FLAGS"',
-                   help='the lever flags of the lossy run, e.g. "--n-expert-used 4"; write --lossy="--route-ahead=1" '
-                        'when the flags start with a glued value (argparse reads "--x=1" alone as a flag)')
-    p.add_argument("-n", "--tokens", type=number(int, 2, 1 << 20, "a number of tokens"), default=16,
-                   help="tokens per prompt")
-    p.add_argument("--prompts", type=Path, default=None,
-                   help="prompt file, one a line (default: the shipped set)")
-    p.add_argument("--max-prompts", type=number(int, 1, 1 << 30, "a number of prompts"), default=None,
-                   help="use only the first N prompts")
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--stream", dest="mode", action="store_const", const="stream",
-                      help="run both configurations streamed (the default)")
-    mode.add_argument("--resident", dest="mode", action="store_const", const="resident",
-                      help="run both configurations resident (plain llama.cpp)")
-    p.add_argument("--cache-mb", type=number(float, 0, 1 << 30, "a number of MiB"), default=0.0,
-                   help="expert cache budget of both runs (MiB)")
-    p.add_argument("--io-threads", type=number(int, 1, 64, "a number of I/O lanes"), default=2)
-    p.add_argument("-t", "--threads", type=number(int, 1, 512, "a thread count"), default=None,
-                   help="compute threads")
-    p.add_argument("-c", "--ctx", type=number(int, 16, 1 << 20, "a context length"), default=512,
-                   help="context length")
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    p.set_defaults(mode="stream", func=run_quality_command)
-    return p
-
-
-def run_quality_command(args: argparse.Namespace) -> int:
-    if args.mode == "resident" and args.cache_mb and not getattr(args, "quiet", False):
-        print("bmoe: warning: --cache-mb does nothing with --resident: a resident run has no expert cache",
-              file=sys.stderr)
-    exact = RunConfig(mode=args.mode, io_threads=args.io_threads, n_threads=args.threads, n_ctx=args.ctx,
-                      cache_bytes=int(args.cache_mb * MiB))
-    lossy = replace(exact, **parse_lossy(args.lossy))
-    prompts = shipped_prompts() if args.prompts is None else _read_prompts(args.prompts)
-    if args.max_prompts is not None:
-        prompts = prompts[: args.max_prompts]
-    result = run_async(compare(args.model, exact, lossy, prompts, args.tokens)).as_dict()
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(_table(result), file=sys.stderr)
-    return 0
-
-
-def _read_prompts(path: Path) -> list[str]:
+def read_prompts(path: Path) -> list[str]:
     try:
         return _prompt_lines(path.read_text("utf-8"))
     except (OSError, UnicodeDecodeError) as e:
         raise ModelFileError(f"{path}: cannot read the prompts: {e}") from None
 
 
-def _table(r: dict) -> str:
+def table(r: dict) -> str:
+    """The report as the command prints it (``as_dict``'s figures)."""
     def num(v: float | None, fmt: str) -> str:
         return "unmeasured" if v is None else format(v, fmt)
 

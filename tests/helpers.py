@@ -5,6 +5,9 @@ pytest hooks stay in ``conftest.py``; this is a plain module so tests import it 
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from bmoe.engine.config import RunConfig
@@ -79,3 +82,54 @@ def resident_mismatches(session: Session) -> list[tuple[int, int, int]]:
         for fd in fds:
             os.close(fd)
     return bad
+
+
+# --- the command line: one subprocess helper, and the in-process twin for argument errors ---------
+
+CLI_TIMEOUT_S = 120  # a guard against a hang, never a timing assertion
+
+
+def bmoe(*args: str | bytes | os.PathLike[str], stdin: str | bytes | None = None, cwd: Path | None = None,
+         env: dict[str, str] | None = None, binary: bool = False, stdout: int | None = subprocess.PIPE,
+         timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """``python -m bmoe.cli ARGS`` in a child process, for tests whose point is the process edge (an
+    exit status, a signal, standard streams, what reaches the terminal). Text unless ``binary``; an
+    argument error alone is cheaper in process (``cli``)."""
+    if stdin is None:
+        stdin = b"" if binary else ""
+    elif binary and isinstance(stdin, str):
+        stdin = stdin.encode()
+    return subprocess.run([sys.executable, "-m", "bmoe.cli", *map(_arg, args)], input=stdin, stdout=stdout,
+                          stderr=subprocess.PIPE, text=not binary, timeout=timeout, cwd=cwd, env=env)
+
+
+def _arg(a: str | bytes | os.PathLike[str]) -> str | bytes:
+    return a if isinstance(a, (str, bytes)) else os.fspath(a)
+
+
+def one_line(proc: subprocess.CompletedProcess, status: int) -> str:
+    """The one ``bmoe: error:`` line a failed command prints, checked to be alone, with ``status``."""
+    err = proc.stderr.decode(errors="replace") if isinstance(proc.stderr, bytes) else proc.stderr
+    assert proc.returncode == status, (proc.returncode, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bmoe: error: "), err
+    return lines[0]
+
+
+def cli(*args: str | os.PathLike[str]) -> subprocess.CompletedProcess[str]:
+    """``bmoe ARGS`` run in this process (``bmoe.cli.main``), its status and its standard streams
+    captured as a child's would be: for argument errors and help, where no process boundary is
+    the point (a child costs a Python start and bmoe's imports, about a second each)."""
+    import contextlib
+    import io
+
+    from bmoe.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    argv = [os.fspath(a) for a in args]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = main(argv)
+        except SystemExit as exit_:  # argparse's usage errors and --help
+            status = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    return subprocess.CompletedProcess(["bmoe", *argv], status, out.getvalue(), err.getvalue())

@@ -87,8 +87,8 @@ def test_cannot_run_says_whether_the_token_or_the_prompt_union_is_too_big(tiny) 
 def test_forecast_shows_its_inputs_and_null_when_unmeasured(tiny, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no cached probe
     r = inspect_model(tiny.path(SPECS["minimax-m2"]), ram_bytes=8 * GiB)
-    assert r.read_mib_s is None and all(f.tok_s is None and f.read_s is None for f in r.forecasts)
-    assert "--probe" in r.read_how and "prior" in r.hit_how and "prior" in r.compute_how
+    assert r.read_mib_s is None and all(f.tok_s is not None for f in r.forecasts)  # a prior rate, labelled
+    assert "--probe" in r.read_how and "prior" in r.read_how and "prior" in r.hit_how and "prior" in r.compute_how
     off = r.forecasts[0]
     assert off.label == "cache off" and off.read_bytes_per_token == r.bytes_per_token_cache_off
 

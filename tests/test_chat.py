@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 from bmoe.engine.chat import ChatFormat, Message
 from bmoe.synth.tiny import TinySpec
+from tests.helpers import bmoe
 
 CHATML = (
     b"{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content']"
@@ -30,10 +29,9 @@ def test_without_a_template_a_plain_transcript_is_used() -> None:
 
 def test_chat_cli_two_turns_with_a_warm_cache(tiny) -> None:
     path = tiny.path(TinySpec(n_embd=256, n_ff=256, n_layer=3))
-    proc = subprocess.run(
-        [sys.executable, "-m", "bmoe.cli", "chat", "-m", str(path), "-n", "8", "--cache-mb", "64", "-c", "512"],
-        input="hello there, how are you today?\nand again, the same words please\n",
-        capture_output=True, text=True, timeout=120,
+    proc = bmoe(
+        "chat", "-m", str(path), "-n", "8", "--cache-mb", "64", "-c", "512",
+        stdin="hello there, how are you today?\nand again, the same words please\n",
     )
     assert proc.returncode == 0, proc.stderr
     hits = [float(h) for h in re.findall(r"hit ([0-9.]+)%", proc.stderr)]
@@ -43,10 +41,9 @@ def test_chat_cli_two_turns_with_a_warm_cache(tiny) -> None:
 
 def test_a_message_too_long_for_the_context_is_refused_and_the_chat_goes_on(tiny) -> None:
     path = tiny.path(TinySpec())
-    proc = subprocess.run(
-        [sys.executable, "-m", "bmoe.cli", "chat", "-m", str(path), "-n", "4", "-c", "256"],
-        input="first words\n" + "x" * 2000 + "\n/think\nafter that\n",
-        capture_output=True, text=True, timeout=120,
+    proc = bmoe(
+        "chat", "-m", str(path), "-n", "4", "-c", "256",
+        stdin="first words\n" + "x" * 2000 + "\n/think\nafter that\n",
     )
     assert proc.returncode == 0, proc.stderr
     assert "does not fit the context" in proc.stderr and "not sent" in proc.stderr
@@ -112,10 +109,10 @@ def test_a_conversation_the_template_refuses_is_refused_with_its_words() -> None
 def test_a_lossy_chat_says_so_in_its_banner_replies_and_stats(tiny) -> None:  # noqa: ANN001
     """``bmoe run`` labels every figure of a lossy run; ``bmoe chat`` labelled none."""
     path = tiny.path(TinySpec())
-    proc = subprocess.run(
-        [sys.executable, "-m", "bmoe.cli", "chat", "-m", str(path), "-n", "4", "-c", "256", "--cache-mb", "1",
-         "--n-expert-used", "1"],
-        input="hello there\n/stats\n", capture_output=True, text=True, timeout=120,
+    proc = bmoe(
+        "chat", "-m", str(path), "-n", "4", "-c", "256", "--cache-mb", "1",
+         "--n-expert-used", "1",
+        stdin="hello there\n/stats\n",
     )
     assert proc.returncode == 0, proc.stderr
     assert "LOSSY --n-expert-used 1, context" in proc.stderr  # the banner

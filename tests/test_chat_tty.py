@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 
 import pexpect
 
 from bmoe.synth.tiny import TinySpec
+from tests.helpers import bmoe
 
 GUARD_S = 120  # turns a hang into a failure; nothing is timed
 # prompt_toolkit draws the prompt with cursor moves, not as plain "> ": it turns bracketed paste on
@@ -68,8 +68,7 @@ def test_chat_in_a_terminal(tiny) -> None:
 
 def test_prompts_go_to_stderr_when_stdout_is_redirected(tiny) -> None:
     path = tiny.path(TinySpec())
-    proc = subprocess.run([sys.executable, "-m", "bmoe.cli", "chat", "-m", str(path), "-n", "4", "-q"],
-                          input="\nhello\n/stats\n", capture_output=True, text=True, timeout=GUARD_S)
+    proc = bmoe("chat", "-m", path, "-n", "4", "-q", stdin="\nhello\n/stats\n")
     assert proc.returncode == 0, proc.stderr
     assert "> " not in proc.stdout and proc.stderr.count("> ") == 4
     assert re.search(r"session: 1 reply,", proc.stderr) and "Traceback" not in proc.stderr

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 
 import pytest
 from gguf import GGUFValueType
@@ -16,7 +15,8 @@ from gguf.gguf_writer import GGUFValue
 from bmoe.cli.chat import _fit, _settle
 from bmoe.engine.chat import ChatFormat, Message
 from bmoe.synth.tiny import TinySpec, write_tiny
-from tests.test_chat_tty import ENTERED, GUARD_S, PROMPT, spawn
+from tests.helpers import bmoe
+from tests.test_chat_tty import ENTERED, PROMPT, spawn
 from tests.test_harmony import write_harmony_model
 from tests.test_thinking import QWEN3_LIKE
 
@@ -46,8 +46,7 @@ def grammar(tmp_path, rule: str):  # noqa: ANN001, ANN201
 
 
 def chat_piped(path, lines: str, *extra: str) -> subprocess.CompletedProcess:  # noqa: ANN001
-    proc = subprocess.run([sys.executable, "-m", "bmoe.cli", "chat", "-m", str(path), *extra],
-                          input=lines, capture_output=True, text=True, timeout=GUARD_S)
+    proc = bmoe("chat", "-m", path, *extra, stdin=lines)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     return proc
 
@@ -95,8 +94,7 @@ def test_control_characters_from_the_model_are_shown_as_symbols_on_a_terminal(qw
     chat.expect_exact(PROMPT)
     assert chat.before == "x\u241b[7m\u2408y\u2407z\r\n", repr(chat.before)
     leave(chat)
-    proc = subprocess.run([sys.executable, "-m", "bmoe.cli", "chat", "-m", str(qwen3), "-n", "30", "-q",
-                           "--grammar-file", rule], input=b"hi\n", capture_output=True, timeout=GUARD_S)
+    proc = bmoe("chat", "-m", qwen3, "-n", "30", "-q", "--grammar-file", rule, stdin=b"hi\n", binary=True)
     assert proc.returncode == 0 and proc.stdout == b"x\x1b[7m\x08\ry\x07z\n", proc
 
 
@@ -198,8 +196,10 @@ def test_piped_lines_are_echoed_after_their_prompt(qwen3) -> None:
 def test_the_banner_says_what_runs_and_quiet_hides_the_warnings(qwen3) -> None:
     proc = chat_piped(qwen3, "", "-c", "100")
     assert "bmoe: warning: the context holds 256 tokens" in proc.stderr
-    assert ("bmoe chat: q.gguf (qwen3moe), streamed, cache off, context 256 tokens, replies up to 128 tokens (-n)"
-            in proc.stderr), proc.stderr  # the default reply length leaves half of a small context
+    # The cache is auto by default (its budget shown), and the default reply length leaves half of a small context.
+    assert re.search(r"bmoe chat: q\.gguf \(qwen3moe\), streamed, cache [0-9.,]+ MiB, context 256 tokens, replies up to "
+                     r"128 tokens \(-n\)", proc.stderr), proc.stderr
+    assert "streamed, cache off, context" in chat_piped(qwen3, "", "-c", "100", "--cache-mb", "0").stderr
     assert "the model's own chat template; thinking on (/think)" in proc.stderr and "/help lists" in proc.stderr
     proc = chat_piped(qwen3, "", "-c", "100", "-q")
     assert proc.stderr == "> \n", "-q: no banner and no warnings"
@@ -264,19 +264,16 @@ def test_a_reply_stopped_before_its_answer_gives_back_the_turns_dropped_for_it(c
 def test_a_system_message_that_fills_the_context_is_refused_at_start(qwen3) -> None:
     """Every message, even "hi", was refused as too long, the system message never named."""
     system = "rule " * 300
-    proc = subprocess.run([sys.executable, "-m", "bmoe.cli", "chat", "-m", str(qwen3), "-c", "256", "-n", "16",
-                           "--system", system], input="hi\n", capture_output=True, text=True, timeout=GUARD_S)
+    proc = bmoe("chat", "-m", qwen3, "-c", "256", "-n", "16", "--system", system, stdin="hi\n")
     assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
         "bmoe: error: the system message leaves no room in the context (256 tokens, 16 of them kept for the reply) "
         "for a message: shorten it, or raise -c or lower -n"], proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "bmoe.cli", "chat", "-m", str(qwen3), "-c", "256", "-n", "16", "-q",
-                           "--system", "rule " * 5], input="hi\n", capture_output=True, text=True, timeout=GUARD_S)
+    proc = bmoe("chat", "-m", qwen3, "-c", "256", "-n", "16", "-q", "--system", "rule " * 5, stdin="hi\n")
     assert proc.returncode == 0 and "does not fit" not in proc.stderr and proc.stdout.strip(), proc.stderr
 
 
 def test_a_reply_length_that_fills_the_context_is_refused_at_start(qwen3) -> None:
     """-n at or past -c left no room for any message: every line was refused, then status 0."""
-    proc = subprocess.run([sys.executable, "-m", "bmoe.cli", "chat", "-m", str(qwen3), "-c", "256", "-n", "1000"],
-                          input="hello\nworld\n", capture_output=True, text=True, timeout=GUARD_S)
+    proc = bmoe("chat", "-m", qwen3, "-c", "256", "-n", "1000", stdin="hello\nworld\n")
     assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
         "bmoe: error: -n 1000 leaves no room in the context (256 tokens) for a message: lower -n or raise -c"], proc.stderr

@@ -4,20 +4,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from bmoe.synth.tiny import TinySpec
-from tests.helpers import PROMPT
-
-
-def bmoe(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "bmoe.cli", *args], capture_output=True, text=True, timeout=120
-    )
+from tests.helpers import PROMPT, bmoe
 
 
 def test_run_json_has_the_documented_keys_and_matches_resident(tiny) -> None:

@@ -4,8 +4,6 @@ line's words, numbers and budgets printed so they can be told apart."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,28 +11,18 @@ import pytest
 from bmoe.errors import ConfigError
 from bmoe.synth.big import SynthSpec
 from bmoe.synth.tiny import TinySpec
-
-
-def bmoe(*args: str, cwd: Path | None = None, stdin: bytes | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "bmoe.cli", *args], capture_output=True, text=True,
-                          timeout=120, cwd=cwd, input=stdin)
-
-
-def one_line(proc: subprocess.CompletedProcess[str], status: int) -> str:
-    assert proc.returncode == status, (proc.returncode, proc.stderr)
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("bmoe: error: "), proc.stderr
-    return lines[0]
+from tests.helpers import bmoe, cli, one_line
 
 
 # --- 1: synth --layers above the real depth ------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_synth_refuses_more_layers_than_the_real_model_before_writing(tmp_path: Path) -> None:
     # The flags are checked before the output path: a folder that does not exist means that a
     # regression is refused for the folder instead (this test fails) rather than writing 17 GB.
     out = tmp_path / "missing" / "s.gguf"
-    line = one_line(bmoe("synth", str(out), "--like", "qwen3-30b-a3b", "--layers", "49"), 1)
+    line = one_line(cli("synth", str(out), "--like", "qwen3-30b-a3b", "--layers", "49"), 1)
     assert "--layers must be in [1, 48] for qwen3-30b-a3b" in line and "got 49" in line, line
     assert not list(tmp_path.iterdir())
     with pytest.raises(ConfigError, match=r"\[1, 48\]"):
@@ -52,9 +40,9 @@ def test_a_ceiling_below_the_budget_asked_is_refused(tiny) -> None:
 
 
 @pytest.mark.parametrize("flags,warning", [
-    (("--cache-ceil-mb", "50"), "--cache-ceil-mb does nothing with the cache off"),
+    (("--cache-mb", "0", "--cache-ceil-mb", "50"), "--cache-ceil-mb does nothing with the cache off"),
     (("--cache-mb", "1", "--cache-ceil-mb", "50"), "--cache-ceil-mb does nothing with a fixed --cache-mb"),
-    (("--cache-profile", "PROFILE"), "--cache-profile seeds no cache with the cache off"),
+    (("--cache-mb", "0", "--cache-profile", "PROFILE"), "--cache-profile seeds no cache with the cache off"),
 ])
 def test_cache_flags_that_do_nothing_are_warned_about(tiny, tmp_path: Path, flags: tuple[str, ...],
                                                       warning: str) -> None:
@@ -70,13 +58,15 @@ def test_cache_flags_that_do_nothing_are_warned_about(tiny, tmp_path: Path, flag
 # --- 3: an output flag given '-' ---------------------------------------------------------------
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("command,flag", [("run", "--csv"), ("run", "--route-trace"), ("replay", "--csv")])
-def test_an_output_named_dash_is_refused_not_written(tiny, tmp_path: Path, command: str, flag: str) -> None:
-    model = str(tiny.path(TinySpec()))
-    argv = (("run", "-m", model, "-p", "hi", "-n", "1") if command == "run"
+def test_an_output_named_dash_is_refused_not_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str,
+                                                      flag: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    argv = (("run", "-m", "m.gguf", "-p", "hi", "-n", "1") if command == "run"
             else ("replay", str(tmp_path / "t.route.csv"), "--cache-mb", "1"))
-    line = one_line(bmoe(*argv, flag, "-", cwd=tmp_path), 2)
-    assert f"bmoe {command}: {flag} -: standard output" in line, line
+    line = one_line(cli(*argv, flag, "-"), 2)
+    assert line.startswith(f"bmoe: error: {flag} -: standard output"), line
     assert not (tmp_path / "-").exists()
 
 
@@ -99,12 +89,26 @@ def test_errors_found_at_open_name_the_flag(tiny, argv: tuple[str, ...], flag: s
 # --- 5: a subcommand's unknown words are its own usage error; bad flag values are status 2 --------
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("command", ["chat", "run"])
-def test_unrecognized_arguments_name_the_subcommand(tiny, command: str) -> None:
-    argv = ("-m", str(tiny.path(TinySpec())), *(("-p", "hi") if command == "run" else ()))
+def test_unrecognized_arguments_name_the_subcommand(command: str) -> None:
+    """Prefixed once (it read ``bmoe: error: bmoe run: ...``), naming the command's own help."""
+    argv = ("-m", "m.gguf", *(("-p", "hi") if command == "run" else ()))
     extra = ("--bogus", "x") if command == "run" else ("-p", "hi")
-    line = one_line(bmoe(command, *argv, *extra), 2)
-    assert line == f"bmoe: error: bmoe {command}: unrecognized arguments: {' '.join(extra)}", line
+    line = one_line(cli(command, *argv, *extra), 2)
+    assert line == f"bmoe: error: unrecognized arguments: {' '.join(extra)} (bmoe {command} --help lists its flags)"
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("argv", [
+    ("run", "-m", "m.gguf", "-p", "hi", "--io-threads", "0"),  # argparse's own errors
+    ("run", "-m", "m.gguf"),
+    ("chat", "-m", "m.gguf", "-q", "--verbose"),
+    ("run", "-m", "m.gguf", "-p", ""),  # bmoe's usage errors past the parser
+])
+def test_no_error_repeats_the_prefix(argv: tuple[str, ...]) -> None:
+    line = one_line(cli(*argv), 2)
+    assert line.count("bmoe") == 1, line
 
 
 @pytest.mark.parametrize("argv,flag", [
@@ -115,17 +119,19 @@ def test_unrecognized_arguments_name_the_subcommand(tiny, command: str) -> None:
     (("replay", "TRACE", "--cache-mb", "1", "--policy", "lru,bogus"), "--policy"),
     (("replay", "TRACE", "--cache-mb", "1", "--overlap", "bogus"), "--overlap"),
 ])
-def test_bad_flag_values_are_usage_errors(tiny, tmp_path: Path, argv: tuple[str, ...], flag: str) -> None:
-    model, trace = str(tiny.path(TinySpec())), str(tmp_path / "t.route.csv")
-    line = one_line(bmoe(*({"MODEL": model, "TRACE": trace}.get(a, a) for a in argv)), 2)
-    assert f"bmoe {argv[0]}: argument " in line and flag in line, line
+@pytest.mark.pure
+def test_bad_flag_values_are_usage_errors(tmp_path: Path, argv: tuple[str, ...], flag: str) -> None:
+    model, trace = str(tmp_path / "m.gguf"), str(tmp_path / "t.route.csv")
+    line = one_line(cli(*({"MODEL": model, "TRACE": trace}.get(a, a) for a in argv)), 2)
+    assert line.startswith("bmoe: error: argument ") and flag in line, line
 
 
 # --- 9: inspect --ram is in GiB, and says so ----------------------------------------------------
 
 
+@pytest.mark.pure
 def test_inspect_ram_says_gib() -> None:
-    proc = bmoe("inspect", "--help")
+    proc = cli("inspect", "--help")
     assert proc.returncode == 0 and "--ram GiB" in proc.stdout and "--ram GB" not in proc.stdout, proc.stdout
 
 
@@ -139,8 +145,9 @@ def test_inspect_ram_says_gib() -> None:
     (("replay", "MODEL", "--cache-mb", "1,x"), "(0 to 1073741824)"),
     (("replay", "MODEL", "--cache-mb", "1", "--compute-ms-per-layer", "-1"), "from 0 to 1000000"),
 ])
-def test_range_errors_print_plain_numbers(tiny, argv: tuple[str, ...], bounds: str) -> None:
-    line = one_line(bmoe(*(str(tiny.path(TinySpec())) if a == "MODEL" else a for a in argv)), 2)
+@pytest.mark.pure
+def test_range_errors_print_plain_numbers(argv: tuple[str, ...], bounds: str) -> None:
+    line = one_line(cli(*("m.gguf" if a == "MODEL" else a for a in argv)), 2)
     assert bounds in line and "e+" not in line, line
 
 
@@ -160,6 +167,7 @@ def test_inspect_forecast_budgets_below_a_mib_are_not_zero(tiny) -> None:
 # --- 10: chat's /stats counts in the singular and the plural -------------------------------------
 
 
+@pytest.mark.pure
 def test_chat_stats_says_one_reply_not_one_replies() -> None:
     from types import SimpleNamespace
 
@@ -179,6 +187,7 @@ def test_chat_stats_says_one_reply_not_one_replies() -> None:
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
+@pytest.mark.pure
 def test_readme_points_inside_the_repository_and_names_the_shards_make_tiny_writes() -> None:
     text = README.read_text()
     assert "../" not in text  # a clone holds nothing beside itself

@@ -7,14 +7,13 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from bmoe.synth.tiny import TinySpec
+from tests.helpers import CLI_TIMEOUT_S as GUARD_S
+from tests.helpers import bmoe, cli, one_line
 
 BMOE = [sys.executable, "-m", "bmoe.cli"]
-GUARD_S = 120
-
-
-def bmoe(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*BMOE, *args], input=stdin, capture_output=True, text=True, timeout=GUARD_S)
 
 
 def test_version() -> None:
@@ -73,10 +72,21 @@ def test_a_closed_stdout_ends_quietly(tiny) -> None:
     assert proc.wait(GUARD_S) == 141 and "Traceback" not in err and "BrokenPipe" not in err
 
 
-def test_a_flag_that_does_nothing_is_said(tiny) -> None:
-    path = tiny.path(TinySpec())
-    r = bmoe("run", "-m", str(path), "-p", "x", "-n", "2", "--resident", "--cache-mb", "64")
-    assert r.returncode == 0 and "--cache-mb does nothing with --resident" in r.stderr
+@pytest.mark.pure
+@pytest.mark.parametrize("command", ["run", "chat", "serve"])
+def test_a_flag_that_does_nothing_with_resident_is_refused(command: str) -> None:
+    """``--resident --cache-mb N`` ran with no cache, said only as a warning that -q hid (issue 39):
+    now one line and status 2, -q or not. The default budget (auto) given by no one is no conflict."""
+    argv = (command, "-m", "m.gguf", *(("-p", "x") if command == "run" else ()), "--resident", "-q")
+    line = one_line(cli(*argv, "--cache-mb", "64"), 2)
+    assert line == "bmoe: error: --cache-mb does nothing with --resident (nothing is streamed): drop it, or stream"
+    both = one_line(cli(*argv, "--io-threads", "4", "--cache-mb", "auto"), 2)
+    assert "--io-threads, --cache-mb do nothing with --resident" in both, both
+    from bmoe.cli import build_parser
+    from bmoe.cli.flags import _config
+
+    args = build_parser(list(argv)).parse_args(list(argv))  # the default budget is not "given"
+    assert _config(args).mode == "resident"
 
 
 def test_verbose_shows_llama_cpp_log_and_the_default_does_not(tiny) -> None:

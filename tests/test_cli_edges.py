@@ -14,20 +14,8 @@ from pathlib import Path
 import pytest
 
 from bmoe.synth.tiny import TinySpec
-
-GUARD_S = 120  # only to turn a hang into a failure
-
-
-def bmoe(*args: str, stdin: str = "", cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "bmoe.cli", *args], input=stdin, capture_output=True, text=True,
-                          timeout=GUARD_S, cwd=cwd)
-
-
-def one_line(proc: subprocess.CompletedProcess[str], status: int) -> str:
-    assert proc.returncode == status, (proc.returncode, proc.stderr)
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("bmoe: error: "), proc.stderr
-    return lines[0]
+from tests.helpers import CLI_TIMEOUT_S as GUARD_S
+from tests.helpers import bmoe, cli, one_line
 
 
 # --- a Ctrl-C at any point ------------------------------------------------------------------------
@@ -55,6 +43,7 @@ ENTRIES = {
 }
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("module", ["bmoe.cli.app", "bmoe.cli.run", "bmoe.engine.config"])
 @pytest.mark.parametrize("entry", sorted(ENTRIES))
 def test_a_ctrl_c_while_the_cli_imports_is_status_130_without_a_traceback(entry: str, module: str) -> None:
@@ -64,6 +53,7 @@ def test_a_ctrl_c_while_the_cli_imports_is_status_130_without_a_traceback(entry:
     assert (proc.returncode, proc.stderr) == (130, "bmoe: interrupted\n")
 
 
+@pytest.mark.pure
 def test_a_ctrl_c_from_the_parser_or_the_command_is_status_130(monkeypatch, capsys) -> None:
     from bmoe.cli import app, main, run
 
@@ -77,6 +67,7 @@ def test_a_ctrl_c_from_the_parser_or_the_command_is_status_130(monkeypatch, caps
     assert capsys.readouterr().err == "bmoe: interrupted\n" * 2
 
 
+@pytest.mark.pure
 def test_build_parser_is_still_importable_from_bmoe_cli() -> None:
     from bmoe.cli import _LAZY, build_parser
 
@@ -85,23 +76,26 @@ def test_build_parser_is_still_importable_from_bmoe_cli() -> None:
 
 # --- -q with -v ----------------------------------------------------------------------------------
 
+@pytest.mark.pure
 @pytest.mark.parametrize("flags", [("-q", "run", "-v"), ("-v", "run", "-q"), ("--quiet", "run", "--verbose")])
-def test_quiet_and_verbose_together_are_refused(tiny, flags: tuple[str, str, str]) -> None:
+def test_quiet_and_verbose_together_are_refused(flags: tuple[str, str, str]) -> None:
     top, command, sub = flags
-    line = one_line(bmoe(top, command, sub, "-m", str(tiny.path(TinySpec())), "-p", "hi", "-n", "2"), 2)
+    line = one_line(cli(top, command, sub, "-m", "m.gguf", "-p", "hi", "-n", "2"), 2)
     assert "-q/--quiet" in line and "-v/--verbose" in line
 
 
 # --- demo ----------------------------------------------------------------------------------------
 
+@pytest.mark.pure
 def test_demo_dir_that_is_a_file_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "afile").write_text("not a folder")
-    line = one_line(bmoe("demo", "--dir", str(tmp_path / "afile")), 1)
+    line = one_line(cli("demo", "--dir", str(tmp_path / "afile")), 1)
     assert f"--dir {tmp_path / 'afile'} is a file, not a folder" in line
-    assert "--dir" in one_line(bmoe("demo", "--dir", str(tmp_path / "afile" / "sub")), 1)
+    assert "--dir" in one_line(cli("demo", "--dir", str(tmp_path / "afile" / "sub")), 1)
     assert (tmp_path / "afile").read_text() == "not a folder"
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("stop", [KeyboardInterrupt, OSError(28, "No space left on device")])
 def test_an_interrupted_or_failed_demo_leaves_no_partial_model(tmp_path: Path, monkeypatch, capsys,
                                                                  stop: BaseException) -> None:
@@ -119,6 +113,7 @@ def test_an_interrupted_or_failed_demo_leaves_no_partial_model(tmp_path: Path, m
     assert "Traceback" not in capsys.readouterr().err
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("shards", [1, 3])
 def test_an_interrupted_make_tiny_leaves_no_half_written_file(tmp_path: Path, monkeypatch, capsys, shards: int) -> None:
     import bmoe.synth.tiny
@@ -165,12 +160,15 @@ def test_a_route_trace_that_fills_up_mid_run_names_it_and_the_session_still_clos
 
 # --- empty prompts -------------------------------------------------------------------------------
 
+@pytest.mark.pure
 @pytest.mark.parametrize("how", ["-p ''", "-f empty", "-p - (empty stdin)"])
-def test_run_refuses_an_empty_prompt(tiny, tmp_path: Path, how: str) -> None:
+def test_run_refuses_an_empty_prompt(tmp_path: Path, how: str) -> None:
     (tmp_path / "empty.txt").write_bytes(b"")
     given = {"-p ''": ["-p", ""], "-f empty": ["-f", str(tmp_path / "empty.txt")], "-p - (empty stdin)": ["-p", "-"]}
-    line = one_line(bmoe("run", "-m", str(tiny.path(TinySpec())), *given[how], "-n", "2", "-c", "256"), 2)
-    assert "the prompt is empty" in line
+    argv = ("run", "-m", str(tmp_path / "m.gguf"), *given[how], "-n", "2", "-c", "256")
+    # Standard input is the child's own (empty) one; the others need no process of their own.
+    line = one_line(bmoe(*argv) if how.endswith("stdin)") else cli(*argv), 2)
+    assert line.startswith("bmoe: error: the prompt is empty"), line
 
 
 def test_bench_refuses_an_empty_prompt_as_run_does(tiny, tmp_path: Path) -> None:
@@ -186,6 +184,7 @@ def test_chat_skips_empty_lines_silently(tiny) -> None:
     assert "error" not in proc.stderr and "tok/s" not in proc.stderr, proc.stderr
 
 
+@pytest.mark.pure
 def test_out_of_memory_is_said_as_such(capsys) -> None:  # noqa: ANN001
     """Under ``ulimit -v`` the index's mapping was refused with ENOMEM and said "writing the output:
     Cannot allocate memory"; a read lane that could not start was an internal error."""
@@ -201,6 +200,7 @@ def test_out_of_memory_is_said_as_such(capsys) -> None:  # noqa: ANN001
     assert capsys.readouterr().err.startswith("bmoe: error: writing the output: No space left on device")
 
 
+@pytest.mark.pure
 def test_a_groups_cause_is_shown_not_the_reads_it_cancelled() -> None:
     """A read lane that could not start cancelled the reads waiting on it, and the line shown was
     "read of ExpertKey(...) cancelled" (a bmoe error was preferred to the RuntimeError behind it)."""
@@ -220,7 +220,6 @@ def test_a_prompt_past_the_context_names_the_flags(tmp_path: Path) -> None:
     from bmoe.synth.tiny import write_tiny
 
     (path,) = write_tiny(tmp_path / "t.gguf", TinySpec())
-    proc = subprocess.run([sys.executable, "-m", "bmoe.cli", "run", "-m", str(path), "-p", "word " * 230,
-                           "-c", "256", "-n", "64"], capture_output=True, text=True, timeout=120)
+    proc = bmoe("run", "-m", path, "-p", "word " * 230, "-c", "256", "-n", "64")
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
     assert "+ -n (64) exceed the context (256); raise the context size (-c)" in proc.stderr, proc.stderr

@@ -15,19 +15,13 @@ from pathlib import Path
 import pytest
 
 from bmoe.synth.tiny import TinySpec
+from tests.helpers import cli, one_line
+from tests.helpers import bmoe as _bmoe
 
 
 def bmoe(*args: str | bytes, stdout: int | None = subprocess.PIPE) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run([sys.executable, "-m", "bmoe.cli", *args], stdout=stdout, stderr=subprocess.PIPE,
-                          timeout=120)
-
-
-def one_line(proc: subprocess.CompletedProcess[bytes], status: int) -> str:
-    err = proc.stderr.decode(errors="replace")
-    assert proc.returncode == status, (proc.returncode, err)
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("bmoe: error: "), err
-    return lines[0]
+    """The shared helper, in bytes: these tests hand it bytes that are not UTF-8."""
+    return _bmoe(*args, binary=True, stdout=stdout)
 
 
 @pytest.mark.parametrize("flags", [
@@ -36,13 +30,15 @@ def one_line(proc: subprocess.CompletedProcess[bytes], status: int) -> str:
     ("-c", "99999999999"), ("-n", "0"), ("-n", "-5"), ("--io-threads", "99999999999999999999"),
     ("--prefetch", "1000"),
 ])
-def test_bad_numbers_are_refused_at_parse_time(tiny, flags: tuple[str, str]) -> None:
-    line = one_line(bmoe("run", "-m", str(tiny.path(TinySpec())), "-p", "hi", *flags), 2)
+@pytest.mark.pure
+def test_bad_numbers_are_refused_at_parse_time(flags: tuple[str, str]) -> None:
+    line = one_line(cli("run", "-m", "m.gguf", "-p", "hi", *flags), 2)
     assert flags[0] in line
 
 
+@pytest.mark.pure
 def test_replay_budgets_must_be_finite(tmp_path: Path) -> None:
-    one_line(bmoe("replay", str(tmp_path / "t.trace"), "--cache-mb", "100,nan"), 2)
+    one_line(cli("replay", str(tmp_path / "t.trace"), "--cache-mb", "100,nan"), 2)
 
 
 @pytest.mark.parametrize("flag", ["--csv", "--route-trace"])
@@ -100,15 +96,17 @@ def test_a_prompt_longer_than_the_context_is_refused_at_once_with_both_numbers(t
     assert "(256)" in line and "tokens" in line
 
 
+@pytest.mark.pure
 def test_a_300_character_file_name_is_one_line(tmp_path: Path) -> None:
-    one_line(bmoe("run", "-m", str(tmp_path / ("x" * 300 + ".gguf")), "-p", "hi"), 1)
+    one_line(cli("run", "-m", str(tmp_path / ("x" * 300 + ".gguf")), "-p", "hi"), 1)
 
 
+@pytest.mark.pure
 def test_a_model_that_is_a_folder_or_unreadable_is_one_line(tmp_path: Path) -> None:
-    one_line(bmoe("run", "-m", str(tmp_path), "-p", "hi"), 1)
+    one_line(cli("run", "-m", str(tmp_path), "-p", "hi"), 1)
     fifo = tmp_path / "fifo.gguf"
     os.mkfifo(fifo)
-    one_line(bmoe("run", "-m", str(fifo), "-p", "hi"), 1)
+    one_line(cli("run", "-m", str(fifo), "-p", "hi"), 1)
 
 
 @pytest.mark.parametrize("fd", [0, 1, 2])
@@ -123,6 +121,7 @@ def test_a_closed_standard_descriptor_is_no_signal(tiny, fd: int) -> None:
     assert b"Traceback" not in proc.stderr and b"Assertion" not in proc.stderr
 
 
+@pytest.mark.pure
 def test_stop_takes_the_escapes_of_llama_cpps_command_line() -> None:
     from bmoe.cli.flags import _escaped
 
@@ -133,15 +132,17 @@ def test_stop_takes_the_escapes_of_llama_cpps_command_line() -> None:
 
 @pytest.mark.parametrize("flags", [("--io-threads", "0"), ("--io-threads", "-3"), ("--ram", "-1"), ("--ram", "inf"),
                                    ("--compute-gbs", "nan")])
-def test_inspect_numbers_out_of_range_are_one_line(tiny, flags: tuple[str, str]) -> None:
-    line = one_line(bmoe("inspect", str(tiny.path(TinySpec())), *flags), 2)  # refused by the parser
+@pytest.mark.pure
+def test_inspect_numbers_out_of_range_are_one_line(flags: tuple[str, str]) -> None:
+    line = one_line(cli("inspect", "m.gguf", *flags), 2)  # refused by the parser
     assert flags[0] in line
 
 
+@pytest.mark.pure
 def test_a_plot_matplotlib_cannot_write_is_refused_before_the_work(tmp_path: Path) -> None:
     trace = tmp_path / "t.route.csv"
     trace.write_text("route_trace v1\n")  # never read: the plot's name is checked first
-    line = one_line(bmoe("replay", str(trace), "--cache-mb", "1", "--plot", str(tmp_path / "r.out")), 1)
+    line = one_line(cli("replay", str(trace), "--cache-mb", "1", "--plot", str(tmp_path / "r.out")), 1)
     assert "cannot write 'out'" in line and "png" in line
 
 

@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
 from bmoe.synth.tiny import TinySpec
+from tests.helpers import bmoe as _bmoe
 
 NOT_UTF8 = b"caf\xe9 \xff ok"
 WARNING = b"bmoe: warning: the prompt is not valid UTF-8; invalid bytes replaced by U+FFFD"
 
 
 def bmoe(*args: str | bytes, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run([sys.executable, "-m", "bmoe.cli", *args], input=stdin, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, timeout=120)
+    """The shared helper, in bytes: prompts here are not UTF-8."""
+    return _bmoe(*args, stdin=stdin, binary=True)
 
 
 @pytest.mark.parametrize("source", ["-p TEXT", "-p -", "-f FILE"])
@@ -48,6 +48,7 @@ def test_a_prompt_that_is_not_utf8_warns_whichever_way_it_comes(tiny, tmp_path, 
         assert {k: json.loads(proc.stdout)[k] for k in want} == want
 
 
+@pytest.mark.pure
 def test_inspect_cannot_run_names_what_it_compares(tiny) -> None:
     """``bmoe inspect --ram 0.3`` said "the dense part + one token's working set exceed the RAM"
     when those two fit: the margin and the interpreter's allowance are what did not."""
@@ -69,6 +70,7 @@ def test_inspect_cannot_run_names_what_it_compares(tiny) -> None:
     assert fits.verdict == "resident" and "<= 8192 MiB" in fits.verdict_why, fits.verdict_why
 
 
+@pytest.mark.pure
 def test_the_errors_the_docs_name_are_importable_from_bmoe() -> None:
     """The README names ``ComputeBusyError`` and ``ConfigError`` beside ``SessionClosedError``;
     only ``BmoeError`` and ``SessionClosedError`` were importable from ``bmoe``."""
@@ -90,13 +92,15 @@ def test_the_errors_the_docs_name_are_importable_from_bmoe() -> None:
     exec(f"from bmoe import {', '.join(sorted(every))}", {})
 
 
+@pytest.mark.pure
 def test_make_tiny_help_lists_the_archs_it_writes() -> None:
     """``make-tiny --help`` names its --arch choices from the recipes: the two lists must agree."""
     from bmoe.synth.tiny import ARCHS
+    from tests.helpers import cli
 
-    out = bmoe("make-tiny", "--help")
+    out = cli("make-tiny", "--help")
     assert out.returncode == 0, out.stderr
-    text = " ".join(out.stdout.decode().split())
+    text = " ".join(out.stdout.split())
     listed = text.split("--arch ARCH architecture, one of ", 1)[1].split(" (default:", 1)[0]
     assert sorted(listed.split(", ")) == sorted(ARCHS), listed
 

@@ -190,7 +190,8 @@ def test_replay_rows_label_budgets_and_policies_as_given(traced, tmp_path: Path,
         capture_output=True, text=True, timeout=120, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)},
     )
     assert proc.returncode == 0, proc.stderr
-    rows = proc.stdout.splitlines()
+    header, *rows = proc.stdout.splitlines()
+    assert header.split()[:3] == ["policy", "overlap", "budget"], header
     assert [r.split()[2] for r in rows] == ["0", "0.5", "1", "1.5"], rows
     assert all(r.split()[0] == "default" for r in rows), rows
     as_json = subprocess.run(

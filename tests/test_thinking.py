@@ -4,8 +4,6 @@ from the answer (``reasoning_content``), even when a tag is split across tokens.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
 from gguf import GGUFValueType
@@ -16,6 +14,7 @@ from bmoe.engine.config import RunConfig
 from bmoe.engine.sync import SyncSession
 from bmoe.engine.thinking import ThinkSplitter
 from bmoe.synth.tiny import TinySpec, write_tiny
+from tests.helpers import bmoe
 
 # The shape of Qwen3's template: thinking off appends an empty think block to the generation prompt.
 QWEN3_LIKE = (
@@ -107,9 +106,8 @@ def test_chat_no_think_flag_think_command_and_hidden_reasoning(tmp_path) -> None
     (tmp_path / "g.gbnf").write_text('root ::= "<think>" [a-z]{2,6} "</think>" [a-z]{1,4}')
 
     def chat(lines: str, *extra: str) -> tuple[int, str]:
-        proc = subprocess.run([sys.executable, "-m", "bmoe.cli", "chat", "-m", str(path), "-n", "30", "-c", "256",
-                               "-q", "--temp", "0.9", "--seed", "4", "--grammar-file", str(tmp_path / "g.gbnf"),
-                               *extra], input=lines, capture_output=True, text=True, timeout=120)
+        proc = bmoe("chat", "-m", path, "-n", "30", "-c", "256", "-q", "--temp", "0.9", "--seed", "4",
+                    "--grammar-file", tmp_path / "g.gbnf", *extra, stdin=lines)
         assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
         prompt = int(re.findall(r"last prompt: (\d+) tokens", proc.stderr)[-1])
         assert re.fullmatch(r"[a-z]{1,4}\n", proc.stdout), "only the answer: the reasoning is not shown"

@@ -33,9 +33,9 @@ _LAZY = {
               "measure resident, mmap and streamed runs of one model side by side"),
     "synth": ("bmoe.synth.big", "add_synth_command",
               "write a random MoE GGUF with a real model's shapes (fast, any size)"),
-    "inspect": ("bmoe.inspect", "add_inspect_command",
+    "inspect": ("bmoe.cli.inspect", "add_inspect_command",
                 "what a model is and how it would run here, from its index alone"),
-    "quality": ("bmoe.quality", "add_quality_command",
+    "quality": ("bmoe.cli.quality", "add_quality_command",
                 "measure a lossy lever: agreement and KL vs the exact run, tok/s of both"),
     # The parser is light and lives in bmoe.cli.serve (it shares the run flags); starlette, uvicorn
     # and the server package are imported by _cmd_serve only.
@@ -67,10 +67,11 @@ def _lazy_parsers(sub: argparse._SubParsersAction, argv: list[str]) -> None:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with its usage errors as one line (status 2, argparse's own convention)."""
+    """argparse with its usage errors as one line (status 2, argparse's own convention), prefixed
+    once, as every other error: ``bmoe: error: MESSAGE`` (it read ``bmoe: error: bmoe run: ...``)."""
 
     def error(self, message: str):  # noqa: ANN201 - NoReturn
-        self.exit(2, f"bmoe: error: {self.prog}: {message}\n")
+        self.exit(2, f"bmoe: error: {message}\n")
 
 
 class _Command(_Parser):
@@ -81,7 +82,7 @@ class _Command(_Parser):
     def parse_known_args(self, args=None, namespace=None):  # noqa: ANN001, ANN201 - argparse's signature
         namespace, extras = super().parse_known_args(args, namespace)
         if extras:
-            self.error(f"unrecognized arguments: {' '.join(extras)}")
+            self.error(f"unrecognized arguments: {' '.join(extras)} ({self.prog} --help lists its flags)")
         return namespace, extras
 
 
@@ -156,9 +157,9 @@ def _check_usage(args: argparse.Namespace) -> None:
     """What argparse cannot see: -q and -v given on the two sides of the command (each side's pair
     is refused by argparse itself), and a prompt given as empty text (run -p '', bench --prompt '')."""
     if getattr(args, "quiet", False) and getattr(args, "verbose", False):
-        raise UsageError(f"bmoe {args.command}: -q/--quiet and -v/--verbose cannot be given together")
+        raise UsageError("-q/--quiet and -v/--verbose cannot be given together")
     if getattr(args, "prompt", None) == "":
-        raise UsageError(f"bmoe {args.command}: the prompt is empty")
+        raise UsageError("the prompt is empty")
 
 
 def _interrupted() -> int:

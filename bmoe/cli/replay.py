@@ -8,11 +8,12 @@ import json
 import sys
 from pathlib import Path
 
+import bmoe.cli.options as options
 from bmoe.cli.edge import _run
 from bmoe.cli.flags import (
     MAX_MIB,
     _check_outputs,
-    _io_threads,
+    _Help,
     _mib,
     _model_files,
     _number,
@@ -25,21 +26,21 @@ from bmoe.io.paths import check_plot_output
 
 
 def _replay_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("replay", help="replay a route trace through the pipeline stages (what-if)")
+    p = sub.add_parser("replay", help="replay a route trace through the pipeline stages (what-if)",
+                       formatter_class=_Help)
     p.add_argument("trace", type=Path, help="route_trace v1 or v2 file")
     p.add_argument("-m", "--model", type=Path, default=None, help="read real bytes from this model")
     p.add_argument("--cache-mb", type=_mb_list, required=True, help="budgets, e.g. 500,1000,2000")
-    p.add_argument("--policy", type=_policies, default=["default"], help="e.g. lru,default,opt")
+    p.add_argument("--policy", type=_policies, default=["default"], help="cache policies to compare, e.g. lru,default,opt (default: default)")
     p.add_argument("--io", choices=("real", "sim"), default=None,
                    help="real reads from -m, or reads modelled from a probe of this disk (default: real with -m)")
     p.add_argument("--timing", choices=("model", "measure"), default=None,
                    help="model: compute hits, bytes and time without sleeping (seconds per sweep; the "
                         "default for --io sim); measure: run the stages in modelled real time (--io real"
                         " always measures)")
-    p.add_argument("--io-threads", type=_io_threads, default=2,
-                   help="read lanes, real or modelled (default: 2)")
+    options.IO_THREADS.add(p, help="read lanes, real or modelled")
     p.add_argument("--overlap", type=_overlaps, default=["none"],
-                   help="none,tensor,expert: modelled overlap of reads with the expert matmuls")
+                   help="none,tensor,expert: modelled overlap of reads with the expert matmuls (default: none)")
     p.add_argument("--compute-ms-per-layer", type=_number(float, 0, 1e6, "milliseconds"), default=1.0,
                    help="modelled compute per layer when the trace has no timings")
     p.add_argument("--json", action="store_true",
@@ -95,8 +96,6 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     io = args.io or ("real" if args.model else "sim")
     if io == "real" and args.model is None:
         raise ConfigError("--io real reads the model's bytes: give it with -m MODEL (or use --io sim)")
-    if not 1 <= args.io_threads <= 64:
-        raise ConfigError(f"--io-threads must be 1..64, got {args.io_threads}")
     timing = args.timing or ("model" if io == "sim" else "measure")
     if timing == "model" and io == "real":
         raise ConfigError("--timing model computes the reads' time: use it with --io sim (--io real measures)")
@@ -105,6 +104,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     compute = ComputeModel(trace.timing, args.compute_ms_per_layer / 1e3)
     results = []
     policy_width = max(8, *map(len, args.policy))
+    if not args.json:
+        print(_replay_header(policy_width), flush=True)
     probe = None
     if timing == "model":
         probe = cached_probe(args.trace.resolve().parent, max(trace.expert_bytes.values(), default=0) or 4096,
@@ -138,15 +139,22 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
-def _replay_row(r: dict, policy: str, mb: float, policy_width: int = 8) -> str:
-    """One result as a row, labelled with the policy's name and the budget as the user gave them:
-    ``default`` (not the ``adaptive`` it resolves to), and 0.5 MiB (not ``0``, as 0 and 1.5 as 2 were)."""
-    def num(v: float | None, fmt: str, unit: str) -> str:  # "unmeasured", never "unmeasured%"
-        return "unmeasured" if v is None else format(v, fmt) + unit
+def _replay_header(policy_width: int = 8) -> str:
+    """The columns of ``_replay_row``, named once above the rows (hit % and tok/s as the how line
+    on stderr defines them)."""
+    return (f"{'policy':>{policy_width}} {'overlap':>7} {'budget MiB':>10}  {'decode hit %':>12}  {'all hit %':>10}  "
+            f"{'read MiB':>10}  {'tok/s':>10}")
 
-    return (f"{policy:>{policy_width}} {r['overlap']:>6} {_plain(mb):>8} MiB  decode hit {num(r['decode_hit_pct'], '5.1f', '%')}  "
-            f"all {num(r['hit_pct'], '5.1f', '%')}  read {r['bytes_read'] / MiB:9.1f} MiB  "
-            f"{num(r['tok_per_s'], '7.2f', ' tok/s')}")
+
+def _replay_row(r: dict, policy: str, mb: float, policy_width: int = 8) -> str:
+    """One result as a row under ``_replay_header``, labelled with the policy's name and the budget
+    as the user gave them: ``default`` (not the ``adaptive`` it resolves to), and 0.5 MiB (not
+    ``0``, as 0 and 1.5 as 2 were); a figure not measured says so, never 0."""
+    def num(v: float | None, fmt: str, width: int) -> str:
+        return f"{'unmeasured' if v is None else format(v, fmt):>{width}}"
+
+    return (f"{policy:>{policy_width}} {r['overlap']:>7} {_plain(mb):>10}  {num(r['decode_hit_pct'], '.1f', 12)}  "
+            f"{num(r['hit_pct'], '.1f', 10)}  {r['bytes_read'] / MiB:10.1f}  {num(r['tok_per_s'], '.2f', 10)}")
 
 
 def _write_rows(path: Path, rows: list[dict]) -> None:

@@ -63,7 +63,7 @@ def _prompt(args: argparse.Namespace) -> str:
     else:
         text, where = args.prompt, ""
     if not text:
-        raise UsageError(f"bmoe run: the prompt is empty{where}")
+        raise UsageError(f"the prompt is empty{where}")
     return text
 
 

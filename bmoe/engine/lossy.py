@@ -11,15 +11,17 @@ the model loader, which reads every hparam through it). llama.cpp then builds ea
 ``argsort_top_k(probs, K)``, so the K highest-probability experts are used and the weight
 normalisation (where the architecture has one) runs over those K. The layout's ``n_expert_used``
 follows K, so the cache's working set and the budgets are sized for what is really read.
+
+The levers' flags are declared with the engine's other options in ``bmoe.cli.options`` (which also
+reads a lever string, ``bmoe quality --lossy "FLAGS"``); ``lossy_flags`` spells a config back in
+them for the label every figure carries.
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import dataclasses
-import shlex
-from typing import Any, NoReturn
+from typing import Any
 
 from bmoe.engine.config import RunConfig
 from bmoe.llama.drop_cold import DropCold, DropColdCallback
@@ -30,51 +32,6 @@ from bmoe.io.layout import ModelLayout
 from bmoe.io.recipes import recipe_for
 from bmoe.pipeline.gate import RoutingGate
 from bmoe.stages.predict import load_routers
-
-
-def add_lossy_flags(p: argparse.ArgumentParser) -> None:
-    """The levers' command-line flags, spelt once here so that ``lossy_flags`` (the label every
-    figure carries) and ``bmoe quality --lossy "FLAGS"`` read them the same way."""
-    g = p.add_argument_group("lossy levers (opt-in: the output is no longer the model's exact output)")
-    g.add_argument("--n-expert-used", type=int, default=None, metavar="K",
-                   help="use the top K experts per token instead of the file's own k (1..k)")
-    g.add_argument("--drop-cold-experts", type=float, default=None, metavar="F",
-                   help="at decode, skip a routed expert that is a cache miss and weighs < F/k "
-                        "(never the top one; needs a cache)")
-    g.add_argument("--drop-no-renorm", action="store_true",
-                   help="with --drop-cold-experts: keep the survivors' weights (default: renormalise)")
-    g.add_argument("--drop-prefill", action="store_true", help="with --drop-cold-experts: drop in prefill too")
-    g.add_argument("--route-ahead", type=int, default=None, metavar="N",
-                   help="route each MoE layer from the hidden state N layers earlier and read its "
-                        "experts that far ahead (needs a cache; excludes --prefetch/--predict-prefetch)")
-
-
-def lossy_fields(args: argparse.Namespace) -> dict[str, object]:
-    """The RunConfig fields the flags of ``add_lossy_flags`` set."""
-    return {
-        "n_expert_used": args.n_expert_used, "drop_cold_experts": args.drop_cold_experts,
-        "drop_renorm": not args.drop_no_renorm, "drop_prefill": args.drop_prefill,
-        "route_ahead": args.route_ahead,
-    }
-
-
-def parse_lossy(text: str) -> dict[str, object]:
-    """RunConfig fields from a flag string like ``"--n-expert-used 4"``; a bad one is a ConfigError."""
-    parser = _FlagParser(prog="--lossy", add_help=False)
-    add_lossy_flags(parser)
-    try:
-        words = shlex.split(text)
-    except ValueError as e:  # an unbalanced quote: it was an internal error
-        raise ConfigError(f"--lossy {text!r}: {e}") from None
-    fields = lossy_fields(parser.parse_args(words))
-    if all(fields[f] is None for f in ("n_expert_used", "drop_cold_experts", "route_ahead")):
-        raise ConfigError(f"--lossy {text!r} turns no lossy lever on")
-    return fields
-
-
-class _FlagParser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise ConfigError(f"--lossy: {message}")
 
 
 def lossy_flags(config: RunConfig) -> list[str]:
