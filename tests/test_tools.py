@@ -171,6 +171,16 @@ def test_a_call_split_at_every_position_is_parsed_and_no_marker_is_shown() -> No
         assert a + b + c == "Let me look.\n", cut
         assert len([d for d in da + db + dc if d.name]) == 1
     assert p.calls.gathered[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    # token by token, the name comes as soon as it is written and the arguments piece by piece
+    p = tools.HermesParser()
+    deltas = [d for ch in reply for d in p.feed(ch)[1]] + p.flush()[1]
+    assert deltas[0].name == "get_weather" and deltas[0].id and all(d.name is None for d in deltas[1:])
+    assert len(deltas) > 5 and "".join(d.arguments for d in deltas) == '{"city": "Oslo"}'
+    # a model that ends without </tool_call> after a whole call still made it
+    p = tools.HermesParser()
+    p.feed('<tool_call>{"name": "now", "arguments": {"a": {}}} ')
+    assert p.flush()[0] == ""
+    assert p.calls.gathered[0]["function"] == {"name": "now", "arguments": '{"a": {}}'}
     # a block that is no call stays text; an unclosed one is what the model wrote
     p = tools.HermesParser()
     text, deltas = p.feed("<tool_call>not json</tool_call> and <tool_call>{\"name\"")
@@ -268,6 +278,7 @@ def test_a_forced_call_whole_and_streamed_from_the_python_api(qwen) -> None:  # 
     streamed, finish, deltas = _gathered(chunks)
     assert finish == "tool_calls" and [c["function"] for c in streamed] == [call["function"]]
     assert not any(d.get("content") for d in deltas), "no marker or JSON shown as text"
+    assert sum(1 for d in deltas if d.get("tool_calls")) > 2, "the name first, then the arguments in pieces"
     _weather_args(named["choices"][0]["message"]["tool_calls"][0])
     # none: the same conversation gets no call (and the prompt is the one without tools: below)
     assert "tool_calls" not in none["choices"][0]["message"] and none["choices"][0]["finish_reason"] != "tool_calls"

@@ -305,13 +305,21 @@ def _calls_in(obj: Any) -> list[tuple[str, str]] | None:
     return None
 
 
+# The start of a call written name first (as the templates ask and a forced grammar writes it): from
+# here on its arguments stream as they are written.
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.-]{1,64})"\s*,\s*"arguments"\s*:\s*(?=\S)')
+
+
 class HermesParser:
     """``<tool_call>{json}</tool_call>`` out of answer text: feed (content, call pieces). Text that
-    may still become ``<tool_call>`` is held until the next piece decides; a call is reported when
-    it closes. A block whose JSON is no call stays content, as the model wrote it."""
+    may still become ``<tool_call>`` is held until the next piece decides. A call written name
+    first is reported as soon as its name is, then its arguments piece by piece (held back: a last
+    ``}`` and what follows it, which may be the call object's own end); any other block is read
+    when it closes, and one whose JSON is no call stays content, as the model wrote it."""
 
     def __init__(self) -> None:
         self._held, self._inside = "", False
+        self._body, self._sent = "", -1  # the open block's text; how much of it was sent (-1: no call yet)
         self.calls = Calls()
 
     def feed(self, text: str) -> tuple[str, list[CallDelta]]:
@@ -330,25 +338,61 @@ class HermesParser:
             else:
                 at = pending.find(CLOSE)
                 if at < 0:
-                    self._held = pending
+                    keep = _partial(pending, CLOSE)
+                    self._body += pending[: len(pending) - keep]
+                    self._held = pending[len(pending) - keep:]
+                    deltas += self._stream()
                     break
-                body, pending = pending[:at], pending[at + len(CLOSE):]
-                self._inside = False
-                found = _parse_calls(body)
-                if found is None:
-                    content += OPEN + body + CLOSE
-                else:
-                    for name, args in found:
-                        deltas += self.calls.start(name, args)
+                self._body += pending[:at]
+                pending = pending[at + len(CLOSE):]
+                text_back, more = self._close()
+                content += text_back
+                deltas += more
         return content, deltas
 
+    def _stream(self) -> list[CallDelta]:
+        """The call's name once it is written, then what can be sent of its arguments."""
+        out: list[CallDelta] = []
+        if self._sent < 0:
+            head = _HEAD.match(self._body)
+            if head is None:
+                return out
+            out += self.calls.start(head.group(1))
+            self._sent = head.end()
+        end = self._body.rfind("}")
+        limit = end if end >= self._sent and not self._body[end + 1:].strip() else len(self._body)
+        if limit > self._sent:
+            out += self.calls.more(self._body[self._sent:limit])
+            self._sent = limit
+        return out
+
+    def _close(self) -> tuple[str, list[CallDelta]]:
+        body, sent = self._body, self._sent
+        self._inside, self._body, self._sent = False, "", -1
+        if sent >= 0:  # a call already under way: the rest of its arguments, up to the object's end
+            end = body.rfind("}")
+            return "", self.calls.more(body[sent:end] if end > sent else "")
+        found = _parse_calls(body)
+        if found is None:
+            return OPEN + body + CLOSE, []
+        return "", [d for name, args in found for d in self.calls.start(name, args)]
+
     def flush(self, cut: bool = False) -> tuple[str, list[CallDelta]]:
-        """An unclosed call is what the model wrote, not a call: content (dropped when ``cut``, as
-        a marker's start is by the reasoning splitters)."""
+        """An unclosed block is what the model wrote, not a call: content (a marker's start is
+        dropped when ``cut``, as the reasoning splitters drop it); a call under way keeps what it
+        had, as OpenAI's reply cut by ``max_tokens`` does."""
         held, self._held = self._held, ""
+        if self._inside and self._sent >= 0:
+            if _parse_calls(self._body) is not None:  # whole, only its </tool_call> missing
+                return self._close()
+            rest = self._body[self._sent:] + ("" if cut else held)
+            self._inside, self._body, self._sent = False, "", -1
+            return "", self.calls.more(rest)
         if cut and not self._inside:
             return "", []
-        return ((OPEN if self._inside else "") + held), []
+        text = (OPEN + self._body if self._inside else "") + held
+        self._inside, self._body = False, ""
+        return text, []
 
 
 def _parse_calls(body: str) -> list[tuple[str, str]] | None:
