@@ -189,6 +189,15 @@ def test_a_call_split_at_every_position_is_parsed_and_no_marker_is_shown() -> No
 
 
 @pytest.mark.pure
+def test_glm_calls_inside_tool_call_tags() -> None:
+    p = tools.HermesParser()
+    text, deltas = p.feed("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n"
+                          "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>")
+    assert text == "" and deltas[0].name == "get_weather"
+    assert json.loads(p.calls.gathered[0]["function"]["arguments"]) == {"city": "Oslo", "days": 3}
+
+
+@pytest.mark.pure
 @pytest.mark.parametrize("reply,calls", [
     ('{"tool_call": {"name": "now", "arguments": {}}}', [("now", "{}")]),
     ('  {"name": "get_weather", "parameters": {"city": "Paris"}}', [("get_weather", '{"city": "Paris"}')]),

@@ -4,7 +4,8 @@ grammar when a call is required, and parsed back out of the reply, in the model'
 Three formats, chosen from the chat template (``style_of``), as llama.cpp's chat parsers do:
 
 - ``hermes`` (Qwen2.5 / Qwen3, Hermes, and any template that writes ``<tool_call>``): a call is
-  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in the answer;
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in the answer, or GLM-4.5's
+  ``<tool_call>NAME<arg_key>k</arg_key><arg_value>v</arg_value></tool_call>``;
 - ``harmony`` (gpt-oss): a call is a message addressed to ``functions.NAME`` (``to=functions.NAME``
   in its header), its body the arguments' JSON; ``bmoe.engine.thinking.ChannelSplitter`` finds it;
 - ``generic``: any other template. A reply that is one JSON object ``{"tool_call": {"name", "arguments"}}``
@@ -399,7 +400,26 @@ def _parse_calls(body: str) -> list[tuple[str, str]] | None:
     try:
         return _calls_in(json.loads(body))
     except ValueError:
+        return _glm_call(body)
+
+
+_GLM = re.compile(r"\s*([A-Za-z0-9_.-]{1,64})\s*((?:<arg_key>.*?</arg_key>\s*<arg_value>.*?</arg_value>\s*)*)", re.S)
+_GLM_PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+
+def _glm_call(body: str) -> list[tuple[str, str]] | None:
+    """GLM-4.5's call inside ``<tool_call>``: the name, then ``<arg_key>k</arg_key><arg_value>v</arg_value>``
+    pairs (a value is JSON where it parses, else text, as GLM's template writes strings bare)."""
+    found = _GLM.fullmatch(body)
+    if found is None:
         return None
+    args: dict[str, Any] = {}
+    for key, value in _GLM_PAIR.findall(found.group(2)):
+        try:
+            args[key.strip()] = json.loads(value)
+        except ValueError:
+            args[key.strip()] = value
+    return [(found.group(1), json.dumps(args, ensure_ascii=False))]
 
 
 class GenericParser:
