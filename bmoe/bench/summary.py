@@ -21,6 +21,8 @@ def rounded(value: float | None, digits: int = 2) -> float | None:
 
 
 def run_row(run: Run, reference: list[int] | None, ref_id: str | None) -> dict[str, Any]:
+    """``run``'s row from its one result (or its skip or error): the figures, whether its greedy
+    tokens equal the reference's, and notes saying what is missing and why."""
     row: dict[str, Any] = {
         "id": run.id, "config": run.label, "status": "skipped" if run.skip else "failed" if run.error else "measured",
         "tok_s": None, "read_mib_s": None, "hit_pct": None, "disk_mib_per_token": None,
@@ -135,8 +137,8 @@ def flag_noise(rows: list[dict[str, Any]]) -> None:
 
 
 def ttft_floor(detail: Mapping[str, Mapping[str, Any]] | None, device_mib_s: float | None,
-                fresh_mib_s: float | None = None,
-                serial: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, dict[str, float | None]] | None:
+               fresh_mib_s: float | None = None,
+               serial: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, dict[str, float | None]] | None:
     """Each time to first token against its physical floor: its reads at the device's rate plus its
     compute. Null when the device rate or the prefill's read figures are unmeasured. Beside it,
     the floor of the same reads where those that landed in fresh pages go at the probe's rate
@@ -159,7 +161,8 @@ def ttft_floor(detail: Mapping[str, Mapping[str, Any]] | None, device_mib_s: flo
             landed_fresh = max(0, d["bytes_read"] - d["recycled_bytes"])
             fresh_floor = (landed_fresh / MiB / fresh_mib_s + (d["bytes_read"] - landed_fresh) / MiB / device_mib_s
                            + compute)
-        out[key] = {"ttft_s": rounded(d["prefill_s"], 3), "floor_s": rounded(floor, 3), "read_mib": rounded(d["bytes_read"] / MiB, 1),
+        out[key] = {"ttft_s": rounded(d["prefill_s"], 3), "floor_s": rounded(floor, 3),
+                    "read_mib": rounded(d["bytes_read"] / MiB, 1),
                     "compute_s": rounded(compute, 3), "hit_pct": rounded(d.get("hit_pct"), 1),
                     "ttft_over_floor": rounded(d["prefill_s"] / floor, 3) if floor > 0 else None,
                     "floor_fresh_s": rounded(fresh_floor, 3),
@@ -167,7 +170,8 @@ def ttft_floor(detail: Mapping[str, Mapping[str, Any]] | None, device_mib_s: flo
                     "compute_from": "no read-ahead run" if alone is not d else "this run"}
         if alone is not d:
             out[key]["ttft_no_predict_s"] = rounded(alone["prefill_s"], 3)
-            out[key]["ttft_over_no_predict"] = rounded(d["prefill_s"] / alone["prefill_s"], 3) if alone["prefill_s"] else None
+            out[key]["ttft_over_no_predict"] = (rounded(d["prefill_s"] / alone["prefill_s"], 3)
+                                                if alone["prefill_s"] else None)
     return out or None
 
 
