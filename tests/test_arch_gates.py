@@ -51,6 +51,11 @@ SPECS = {
     "deepseek": TinySpec(arch="deepseek", **W),  # a leading dense block, two shared experts
     "smallthinker": TinySpec(arch="smallthinker", wtype="q8_0", **W),  # router before attention
     "phimoe": TinySpec(arch="phimoe", wtype="f16", **W),  # LayerNorm with biases, an output bias
+    "minicpm": TinySpec(arch="minicpm", wtype="q8_0", **W),  # granite's block, its scales
+    "mistral3": TinySpec(arch="mistral3", **W),
+    "dbrx": TinySpec(arch="dbrx", wtype="f16", **W),  # fused q/k/v, LayerNorm, clamped q/k/v
+    "grok": TinySpec(arch="grok", wtype="q8_0", **W),  # GELU experts, softcapped attention and router
+    "afmoe": TinySpec(arch="afmoe", wtype="f16", **W),  # sliding windows, gated attention, dense lead
 }
 EVICTING = MiB  # the smallest budget RunConfig takes
 
@@ -101,6 +106,7 @@ EXPECTED_MOE_LAYERS = {
     "dots1": (1,),
     "ernie4_5-moe": (1,),
     "deepseek": (1, 2),
+    "afmoe": (1, 2, 3),
 }
 
 
@@ -184,7 +190,7 @@ def test_fused_hybrid_files_open_as_cheaply_as_they_can(tiny, arch: str, mode: s
     assert open_mode == mode and tokens == tiny.resident_tokens(path)
 
 
-@pytest.mark.parametrize("arch", ["llama", "ernie4_5-moe", "granitemoe"])
+@pytest.mark.parametrize("arch", ["llama", "ernie4_5-moe", "granitemoe", "grok"])
 def test_up_down_only_experts(tiny, arch: str) -> None:
     """The loaders take experts without gate projections here: two projections stream, same tokens."""
     spec = dataclasses.replace(SPECS[arch], gate_experts=False)

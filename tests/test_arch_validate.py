@@ -94,6 +94,9 @@ FAULTS = [
     ("shared-count-zero-deepseek", TinySpec(arch="deepseek"), set_u32("deepseek.expert_shared_count", 0),
      "expert_shared_count' is 0"),
     ("phimoe-rope-odd", TinySpec(arch="phimoe"), set_u32("phimoe.rope.dimension_count", 7), "needs it even"),
+    ("afmoe-window-zero", TinySpec(arch="afmoe"), set_u32("afmoe.attention.sliding_window", 0),
+     "sliding_window' is 0"),
+    ("dbrx-one-head", TinySpec(arch="dbrx"), set_u32("dbrx.attention.head_count", 1), "the dbrx metadata says"),
     ("granite-logit-scale-zero", TinySpec(arch="granitemoe"),
      set_value("granitemoe.logit_scale", 0.0, GGUFValueType.FLOAT32), "logit_scale' is 0.0, not a positive"),
     ("gating-absent", TinySpec(arch="minimax-m2"), drop("minimax-m2.expert_gating_func"), "expert_gating_func"),
@@ -191,7 +194,7 @@ def test_without_validation_the_same_fault_kills_the_process(tmp_path: Path) -> 
 # loader's ne[dim] >= 1 assert; a plain load of the same file fails cleanly instead).
 _LOAD_ERROR_IN_PLAIN = ("dense-ffn-width-deleted", "shared-count-zero", "l-cache-zero", "shared-count-zero-bailingmoe",
                         "shared-count-zero-deepseek")
-ISSUE_39_FAULTS = [(f, "load error" if f[0] in _LOAD_ERROR_IN_PLAIN else "abort") for f in FAULTS[:15]]
+ISSUE_39_FAULTS = [(f, "load error" if f[0] in _LOAD_ERROR_IN_PLAIN else "abort") for f in FAULTS[:17]]
 
 
 @pytest.mark.parametrize("spec,edit,plain", [(*f[1:3], k) for f, k in ISSUE_39_FAULTS],

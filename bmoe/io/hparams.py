@@ -477,6 +477,7 @@ def _check_shapes(
         want(b + "attn_k.weight", *[(n_embd, kv * k) for k, _ in sizes])
         want(b + "attn_v.weight", *[(n_embd, kv * v) for _, v in sizes])
         want(b + "attn_output.weight", *[(h * v, n_embd) for _, v in sizes])
+        want(b + "attn_qkv.weight", *[(n_embd, h * k + 2 * kv * k) for k, _ in sizes])  # dbrx's fused q/k/v
         if layout.arch == "olmoe":  # olmoe.cpp: q and k norms span the whole n_embd
             want(b + "attn_q_norm.weight", (n_embd,))
             want(b + "attn_k_norm.weight", (n_embd,))

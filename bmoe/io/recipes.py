@@ -170,6 +170,24 @@ RECIPES: dict[str, Recipe] = {
                plain_attention=True),
         # Phi-3.5-MoE: LayerNorm with biases, output bias; experts sized by feed_forward_length.
         Recipe("phimoe", required_keys=_keys(FFN_WIDTH), width_key=FFN_WIDTH, plain_attention=True),
+        # MiniCPM-MoE (its dense files share the arch: no expert count, "a dense model"); granite's
+        # MoE block; experts sized by feed_forward_length, gate experts optional.
+        Recipe("minicpm", (SPLIT, ("ffn_up_exps", "ffn_down_exps")), _keys(FFN_WIDTH), width_key=FFN_WIDTH,
+               full_rope=True, plain_attention=True),
+        # Mistral 3 MoE variants: llama's block, experts sized by feed_forward_length.
+        Recipe("mistral3", (SPLIT, ("ffn_up_exps", "ffn_down_exps")), _keys(FFN_WIDTH), width_key=FFN_WIDTH,
+               full_rope=True, plain_attention=True),
+        # DBRX: fused q/k/v, LayerNorm (layer_norm_epsilon), clamp_kqv required.
+        Recipe("dbrx", required_keys=_keys(FFN_WIDTH, "attention.clamp_kqv", "attention.layer_norm_epsilon"),
+               width_key=FFN_WIDTH, full_rope=True, plain_attention=True),
+        # Grok-1/2: GELU experts, softcapped attention and router; the loader takes the expert width
+        # as optional, yet absent it sizes the experts 0.
+        Recipe("grok", (SPLIT, ("ffn_up_exps", "ffn_down_exps")), _keys(EXPERT_WIDTH), full_rope=True,
+               plain_attention=True),
+        # Arcee AFM MoE (Trinity): gated attention, leading dense blocks, exp_probs_b required.
+        # Its graph always builds a sliding-window input: no window (absent or 0) is a segfault.
+        Recipe("afmoe", required_keys=_keys(EXPERT_WIDTH, "expert_shared_count", "attention.sliding_window"),
+               plain_attention=True, positive_keys=("attention.sliding_window",)),
     )
 }
 

@@ -595,6 +595,85 @@ def _phimoe_globals(b: _Builder, n_vocab: int) -> None:
     b.f32("output.bias", (n_vocab,), 0.0)  # zero: the control tokens' rows stay at logit 0
 
 
+# --- minicpm, mistral3, dbrx, grok, afmoe ------------------------------------------------------------
+
+
+def _plain_moe_layer(b: _Builder, il: int) -> None:
+    """attn norm, q/k/v/o, ffn norm, router and experts: minicpm's and mistral3's MoE block."""
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "attn_norm.weight", E)
+    _attn(b, p, norms=False)
+    b.ones(p + "ffn_norm.weight", E)
+    _router(b, p)
+    b.experts(p)
+
+
+def _minicpm_keys(w: GGUFWriter, b: _Builder) -> None:
+    a = "minicpm"
+    w.add_uint32(f"{a}.feed_forward_length", b.F)  # the experts' width on this arch
+    # Written, not left to the loader's defaults (embeddings x12 would swamp a random model).
+    for key, value in (("embedding_scale", 1.0), ("residual_scale", 0.5), ("logit_scale", 1.0)):
+        w.add_float32(f"{a}.{key}", value)
+
+
+def _dbrx_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "attn_norm.weight", E)
+    b.mat(p + "attn_qkv.weight", (E + 2 * b.n_head_kv * b.hd, E), E ** -0.5)  # fused q/k/v
+    b.mat(p + "attn_output.weight", (E, E), E ** -0.5)
+    b.ones(p + "attn_output_norm.weight", E)
+    _router(b, p)
+    b.experts(p)
+
+
+def _dbrx_keys(w: GGUFWriter, b: _Builder) -> None:
+    a = "dbrx"
+    w.add_uint32(f"{a}.feed_forward_length", b.F)  # the experts' width on this arch
+    w.add_float32(f"{a}.attention.layer_norm_epsilon", 1e-5)
+    w.add_float32(f"{a}.attention.clamp_kqv", 8.0)
+
+
+def _grok_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "attn_norm.weight", E)
+    _attn(b, p, norms=False)
+    b.ones(p + "attn_output_norm.weight", E)
+    b.ones(p + "ffn_norm.weight", E)
+    _router(b, p)
+    b.experts(p)
+    b.ones(p + "layer_output_norm.weight", E)
+
+
+def _grok_keys(w: GGUFWriter, b: _Builder) -> None:
+    a = "grok"
+    # Grok-1's own values are written where they suit a tiny random model; its defaults
+    # (embeddings x78) would not.
+    for key, value in (("embedding_scale", 1.0), ("logit_scale", 1.0), ("attention.output_scale", 1.0),
+                       ("attn_logit_softcapping", 30.0), ("router_logit_softcapping", 30.0)):
+        w.add_float32(f"{a}.{key}", value)
+
+
+def _afmoe_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "attn_norm.weight", E)
+    b.ones(p + "post_attention_norm.weight", E)
+    _attn(b, p)
+    b.mat(p + "attn_gate.weight", (b.n_head * b.hd, E), E ** -0.5)  # gated attention output
+    b.ones(p + "ffn_norm.weight", E)
+    b.ones(p + "post_ffw_norm.weight", E)
+    _lead_or_moe_ffn(b, p, il, b.F * b.x["n_shared"])  # selection bias required here
+
+
+def _afmoe_keys(w: GGUFWriter, b: _Builder) -> None:
+    a = "afmoe"
+    w.add_uint32(f"{a}.feed_forward_length", b.F_dense)
+    w.add_uint32(f"{a}.expert_shared_count", b.x["n_shared"])
+    w.add_uint32(f"{a}.leading_dense_block_count", b.dense_lead)
+    # Its graph always builds the sliding-window attention input: without a window, a segfault.
+    w.add_uint32(f"{a}.attention.sliding_window", b.x["sliding_window"])
+    _gating(w, a)
+
+
 FAMILIES: dict[str, Family] = {
     f.arch: f
     for f in (
@@ -623,5 +702,11 @@ FAMILIES: dict[str, Family] = {
                extra=(("n_shared", 2),)),
         Family("smallthinker", _smallthinker_layer, _smallthinker_keys),
         Family("phimoe", _phimoe_layer, _ffn_width_keys("phimoe"), globals_=_phimoe_globals),
+        Family("minicpm", _plain_moe_layer, _minicpm_keys, gate_optional=True),
+        Family("mistral3", _plain_moe_layer, _ffn_width_keys("mistral3"), gate_optional=True),
+        Family("dbrx", _dbrx_layer, _dbrx_keys),
+        Family("grok", _grok_layer, _grok_keys, gate_optional=True),
+        Family("afmoe", _afmoe_layer, _afmoe_keys, min_layers=2, default_layers=4,
+               extra=(("n_shared", 1), ("sliding_window", 128))),
     )
 }
