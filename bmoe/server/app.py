@@ -22,21 +22,22 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import hmac
 import json
 import logging
 import math
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -53,6 +54,7 @@ from bmoe.engine.lossy import lossy_label
 from bmoe.engine.sampling import ParamError
 from bmoe.engine.session import Session
 from bmoe.errors import BmoeError, ConfigError, SessionClosedError
+from bmoe.server.bodies import Bodies, BodiesFull, Held
 from bmoe.server.metrics import ServerMetrics
 from bmoe.server.schemas import ChatRequest, CompletionRequest
 from bmoe.server.turns import QueueFull, Turns
@@ -62,9 +64,13 @@ MAX_BODY_BYTES = 4 << 20
 MAX_DEPTH = 100  # JSON nesting: deeper than any real request, far below Python's recursion limit
 RETRY_AFTER_S = 2
 IDLE_MEMORY_CHECK_S = 1.0  # between requests, how often the pressure guard looks at memory
-PREPARE_THREADS = 2  # requests checked and tokenized at once
+PREPARE_THREADS = 2  # requests parsed, checked and tokenized at once
+MAX_BODIES = 16  # requests being read, parsed or prepared at once; more get 503
+HELD_BODIES = 4  # the bytes of all bodies held at once: this many of the largest allowed
 CONTEXT_FIX = "start the server with a larger -c/--ctx"
 _SURROGATE = re.compile("[\ud800-\udfff]")
+T = TypeVar("T")
+ECHO_CHARS = 80  # of a name the client sent, echoed in an error
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -78,9 +84,11 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", **kw:
 
 
 class _BadRequest(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.kind, self.headers = kind, headers
 
     @classmethod
     def of(cls, exc: ConfigError) -> _BadRequest:
@@ -91,16 +99,41 @@ class _BadRequest(Exception):
             return cls(400, message, exc.param, exc.code)
         return cls(400, message)
 
+    @classmethod
+    def busy(cls, why: str) -> _BadRequest:
+        return cls(503, f"the server is busy: {why}", kind="server_busy",
+                   headers={"Retry-After": str(RETRY_AFTER_S)})
 
-async def _read_json(request: Request, limit: int) -> Any:
+
+class _Gone(Exception):
+    """The client went away before its whole body came (starlette's ClientDisconnect)."""
+
+
+async def _read_body(request: Request, limit: int, held: Held) -> bytearray:
+    """The body, counted in ``held`` as it comes (its declared length at once): 413 past
+    ``limit``, 503 past the server's bound on the bytes of all bodies held."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _BadRequest(413, f"the request body is larger than {limit} bytes")
-    body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > limit:
-            raise _BadRequest(413, f"the request body is larger than {limit} bytes")
+    try:
+        if declared is not None and declared.isdigit():
+            if int(declared) > limit:
+                raise _BadRequest(413, f"the request body is larger than {limit} bytes")
+            held.take(int(declared))
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > limit:
+                raise _BadRequest(413, f"the request body is larger than {limit} bytes")
+            held.upto(len(body))
+    except BodiesFull as exc:
+        raise _BadRequest.busy(str(exc)) from None
+    except ClientDisconnect:
+        raise _Gone from None
+    return body
+
+
+def _parse(body: bytes | bytearray, schema: type[BaseModel]) -> Any:
+    """The body as a request of ``schema``, or _BadRequest: on a worker thread, never on the
+    loop (twenty 4 MiB bodies parsed there stalled every stream for 33 s)."""
     try:
         value = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -108,7 +141,13 @@ async def _read_json(request: Request, limit: int) -> Any:
     except RecursionError:
         raise _BadRequest(400, f"the body is not valid JSON: nested deeper than {MAX_DEPTH} levels") from None
     _check_tree(value)
-    return value
+    if not isinstance(value, dict):
+        raise _BadRequest(400, "the body must be a JSON object")
+    try:
+        return schema.model_validate(value)
+    except ValidationError as exc:
+        message, param = _validation_message(exc)
+        raise _BadRequest(400, message, param) from None
 
 
 def _check_tree(value: Any) -> None:
@@ -152,21 +191,23 @@ class _Server:
     """What the routes share: the session, the turns, the metrics, the settings."""
 
     def __init__(self, session: Session | None, opener: Callable[[], Session] | None, *, api_key: str | None,
-                 max_waiting: int, max_body: int, model_name: str | None) -> None:
+                 max_waiting: int, max_body: int, model_name: str | None, max_bodies: int = MAX_BODIES,
+                 max_held_bytes: int | None = None) -> None:
         self.session = session
         self._opener = opener
         self.api_key = api_key
         self.turns = Turns(max_waiting)
-        self.metrics = ServerMetrics(lambda: self.turns.waiting, self._budget_bytes)
         self.max_body = max_body
+        self.bodies = Bodies(max_bodies, max_held_bytes or HELD_BODIES * max_body)
+        self.metrics = ServerMetrics(lambda: self.turns.waiting, self._budget_bytes, lambda: self.bodies.count)
         self.model_name = model_name
         self.created = int(time.time())
         self.stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._owns = session is None
-        # Requests are checked and tokenized here, off the loop: two at a time at most (a flood of
-        # 4 MiB prompts queues here rather than taking every core), and the shutdown waits for
-        # them before the model they tokenize with is freed.
+        # Requests are parsed, checked and tokenized here, off the loop: two at a time at most (a
+        # flood of 4 MiB prompts queues here rather than taking every core), and the shutdown
+        # waits for them before the model they tokenize with is freed.
         self._preparing = concurrent.futures.ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="bmoe-prepare")
 
     def _budget_bytes(self) -> float:
@@ -203,6 +244,8 @@ class _Server:
         if session is None or session.closed:
             raise SessionClosedError("the model is not open")
         kw = {**request.engine_kwargs(), "model": self.model_name}
+        if isinstance(request, CompletionRequest) and request.prompt in ("", [""]):
+            raise _BadRequest(400, "the prompt is empty", "prompt")  # as bmoe run -p '' is refused
         try:
             if route == "chat":
                 assert isinstance(request, ChatRequest)
@@ -218,14 +261,17 @@ class _Server:
                 bad.param = "max_completion_tokens"
             raise bad from None
 
-    async def prepared(self, route: str, request: ChatRequest | CompletionRequest) -> Prepared:
-        """``prepare`` on a worker thread (a long prompt does not stall the stream of the
-        generation running meanwhile). Raises _BadRequest, or SessionClosedError once the server
-        is stopping."""
+    def parse_and_prepare(self, route: str, schema: type[BaseModel], body: bytes | bytearray) -> Prepared:
+        return self.prepare(route, _parse(body, schema))
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on a worker thread (a long prompt does not stall the stream of the
+        generation running meanwhile). Raises what ``fn`` raises, or SessionClosedError once the
+        server is stopping."""
         if self.stopping:
             raise SessionClosedError("the server is shutting down")
         try:
-            work = self._preparing.submit(self.prepare, route, request)
+            work = self._preparing.submit(fn, *args)
         except RuntimeError:  # the pool is shut down: the server is closing
             raise SessionClosedError("the server is shutting down") from None
         # A client gone mid-way cancels this wait, never the thread: the shutdown waits for it.
@@ -255,8 +301,8 @@ class _Generation(Response):
     """The answer to one prepared completion request: an error (400 for a grammar llama.cpp
     refuses, 503), a JSON body, or a stream of server-sent events ending ``data: [DONE]``."""
 
-    def __init__(self, server: _Server, prepared: Prepared) -> None:
-        self._server, self._prepared = server, prepared
+    def __init__(self, server: _Server, prepared: Prepared, arrived: float) -> None:
+        self._server, self._prepared, self._arrived = server, prepared, arrived
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         server = self._server
@@ -296,11 +342,14 @@ class _Generation(Response):
             if session is None or session.closed:
                 raise SessionClosedError("the model is not open")
             stats_before = session.last_stats
+            started = time.monotonic()
             result = await run(session, self._prepared)
+            if self._prepared.stream:  # its first piece is drawn
+                server.metrics.first_token.observe(time.monotonic() - self._arrived)
             if server.stopping:  # the shutdown came while this generation was starting
                 session.cancel()
             if not self._prepared.stream:
-                await JSONResponse(result)(scope, receive, send)
+                await JSONResponse(_as_openai(result))(scope, receive, send)
                 return
             outcome = await self._send_events(result, send, state)
         except asyncio.CancelledError:
@@ -331,7 +380,12 @@ class _Generation(Response):
             session = server.session
             if stats_before is not _NOT_RUN and session is not None and session.last_stats is not stats_before:
                 # this request's own generation ran (a refusal at the turn leaves the last one's)
-                server.metrics.record(session.last_stats, session.last_usage)
+                stats = session.last_stats
+                server.metrics.record(stats, session.last_usage)
+                if not self._prepared.stream and stats is not None and outcome == "ok":
+                    server.metrics.first_token.observe(started - self._arrived + stats.prefill_s)
+            if outcome == "ok":
+                server.metrics.latency.observe(time.monotonic() - self._arrived)
             server.turns.leave(state["turn"])
 
     async def _send_events(self, chunks: AsyncIterator[dict[str, Any]], send: Send, state: dict) -> str:
@@ -344,9 +398,12 @@ class _Generation(Response):
         outcome = "ok"
         try:
             async with aclosing(chunks):
-                async for chunk in chunks:
+                async for engine_chunk in chunks:
                     if state["gone"]:
                         break
+                    chunk = _as_openai(engine_chunk)
+                    if chunk is None:
+                        continue
                     data = b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
                     await send({"type": "http.response.body", "body": data, "more_body": True})
         except BmoeError as exc:  # the status line is out: the failure goes as an event
@@ -362,37 +419,58 @@ class _Generation(Response):
         return outcome
 
 
+def _as_openai(chunk: dict[str, Any]) -> dict[str, Any] | None:
+    """An engine's answer or chunk as OpenAI's clients read it, or None for a chunk that says
+    nothing: a stream on a thinking template sent ``delta: {"content": ""}`` for each token the
+    reasoning splitter held back (a tag), and a generation ended by a cancel (a client gone, the
+    shutdown) finished as "cancelled", which is none of OpenAI's finish reasons: it is "length",
+    an answer cut short."""
+    choices = chunk.get("choices") or ()
+    for choice in choices:
+        if choice.get("finish_reason") == "cancelled":
+            choice["finish_reason"] = "length"
+    if (len(choices) == 1 and choices[0].get("delta") == {"content": ""} and choices[0].get("finish_reason") is None
+            and choices[0].get("logprobs") is None and "usage" not in chunk):
+        return None
+    return chunk
+
+
 def create_app(
     session: Session | None = None, *, model: str | Path | None = None, config: RunConfig | None = None,
     api_key: str | None = None, max_waiting: int = 8, max_body: int = MAX_BODY_BYTES,
     model_name: str | None = None, on_ready: Callable[[Session], None] | None = None,
+    max_bodies: int = MAX_BODIES, max_held_bytes: int | None = None,
 ) -> Starlette:
     """The ASGI application: around an open ``session`` (left open at shutdown), or opening
-    ``model`` with ``config`` at startup (closed at shutdown)."""
+    ``model`` with ``config`` at startup (closed at shutdown). At most ``max_bodies`` requests are
+    read and checked at once, their bodies ``max_held_bytes`` together (``HELD_BODIES`` bodies of
+    ``max_body`` bytes by default)."""
     if (session is None) == (model is None):
         raise ConfigError("give the server either an open session or a model path")
     opener = None if model is None else (lambda: Session.open(model, config))
     server = _Server(session, opener, api_key=api_key, max_waiting=max_waiting, max_body=max_body,
-                     model_name=model_name)
+                     model_name=model_name, max_bodies=max_bodies, max_held_bytes=max_held_bytes)
 
-    async def parse(request: Request, schema: type) -> Any:
-        body = await _read_json(request, server.max_body)
-        if not isinstance(body, dict):
-            raise _BadRequest(400, "the body must be a JSON object")
+    @contextlib.contextmanager
+    def holding() -> Iterator[Held]:
         try:
-            return schema.model_validate(body)
-        except ValidationError as exc:
-            message, param = _validation_message(exc)
-            raise _BadRequest(400, message, param) from None
+            with server.bodies.hold() as held:
+                yield held
+        except BodiesFull as exc:
+            raise _BadRequest.busy(str(exc)) from None
 
-    async def generation(request: Request, route: str, schema: type) -> Response:
-        req = await parse(request, schema)
+    async def generation(request: Request, route: str, schema: type[BaseModel]) -> Response:
+        """Read, parse, check and tokenize the request (the body held, and counted, until then),
+        then answer it as a _Generation."""
+        arrived = time.monotonic()
         try:
-            prepared = await server.prepared(route, req)
+            with holding() as held:
+                body = await _read_body(request, server.max_body, held)
+                prepared = await server.off_loop(server.parse_and_prepare, route, schema, body)
         except SessionClosedError as exc:
             server.metrics.requests.labels("unavailable").inc()
             return _error(503, str(exc), "server_error")
-        return _Generation(server, prepared)
+        return _Generation(server, prepared, arrived)
 
     async def chat(request: Request) -> Response:
         return await generation(request, "chat", ChatRequest)
@@ -415,7 +493,8 @@ def create_app(
     async def one_model(request: Request) -> Response:
         name = request.path_params["model"]
         if name != server.model_name:
-            return _error(404, f"the model {name!r} does not exist (this server serves {server.model_name!r})",
+            shown = name if len(name) <= ECHO_CHARS else name[:ECHO_CHARS] + "..."
+            return _error(404, f"the model {shown!r} does not exist (this server serves {server.model_name!r})",
                           param="model", code="model_not_found")
         return JSONResponse(model_object())
 
@@ -454,8 +533,16 @@ def create_app(
 
     async def bad_request(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, _BadRequest)
-        server.metrics.requests.labels("bad_request").inc()  # refused before it reached the queue
-        return _error(exc.status, exc.message, param=exc.param, code=exc.code)
+        # refused before it reached the queue
+        server.metrics.requests.labels("busy" if exc.status == 503 else "bad_request").inc()
+        return _error(exc.status, exc.message, exc.kind, param=exc.param, code=exc.code, headers=exc.headers)
+
+    async def gone(request: Request, _: Exception) -> Response:
+        """A client that left mid-body: one debug line, never the ASGI traceback (a response to
+        nobody is dropped by uvicorn)."""
+        server.metrics.requests.labels("disconnected").inc()
+        log.debug("%s %s: the client went away before its whole body came", request.method, request.url.path)
+        return Response(status_code=400)
 
     async def http_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -474,7 +561,8 @@ def create_app(
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
         ],
-        exception_handlers={_BadRequest: bad_request, HTTPException: http_error, Exception: crash},
+        exception_handlers={_BadRequest: bad_request, _Gone: gone, ClientDisconnect: gone, HTTPException: http_error,
+                            Exception: crash},
         lifespan=lifespan,
     )
     app.router.redirect_slashes = False  # "/v1/completions/" is a 404 in the OpenAI shape, not a bare 307

@@ -1,8 +1,10 @@
 """Server metrics in Prometheus text format (prometheus_client, one private registry per app).
 
-Counters add up every generation; the gauges say what the last generation measured. A figure the
+Counters add up every generation; the gauges say what the last generation measured; histograms
+give the spread of a request's latency, its first token's and its prompt's evaluation. A figure the
 engine could not measure (a resident model reads no experts) is left out of the sums and its gauge
-reads NaN, never 0.
+reads NaN, never 0. No ``_created`` series: each counter's second line said only when the server
+started (``disable_created_metrics``, process-wide, as the server owns its process).
 """
 
 from __future__ import annotations
@@ -16,14 +18,21 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    Histogram,
+    disable_created_metrics,
     generate_latest,
 )
+
+disable_created_metrics()
+# Seconds: from a local answer in a blink to a model bigger than RAM evaluating a long prompt.
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, queue_depth: Callable[[], float], budget_bytes: Callable[[], float] = lambda: math.nan) -> None:
+    def __init__(self, queue_depth: Callable[[], float], budget_bytes: Callable[[], float] = lambda: math.nan,
+                 bodies_held: Callable[[], float] = lambda: 0) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("bmoe_requests", "Completion requests by outcome", ["outcome"], registry=r)
         self.generated = Counter("bmoe_completion_tokens", "Tokens generated", registry=r)
@@ -44,7 +53,17 @@ class ServerMetrics:
         self.queue = Gauge("bmoe_queue_depth", "Requests waiting for their turn", registry=r)
         self.budget = Gauge("bmoe_cache_budget_bytes", "The expert cache budget now (the pressure guard moves it)",
                             registry=r)
+        self.bodies = Gauge("bmoe_request_bodies_held", "Requests being read, parsed or checked (bounded; more get 503)",
+                            registry=r)
+        self.latency = Histogram("bmoe_request_seconds", "Completion requests: arrival to the last byte sent",
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.first_token = Histogram("bmoe_first_token_seconds",
+                                     "Completion requests: arrival to the first generated token (waiting included)",
+                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_eval = Histogram("bmoe_prompt_eval_seconds", "Prompt evaluation (prefill) of each generation",
+                                     buckets=LATENCY_BUCKETS, registry=r)
         self.queue.set_function(queue_depth)
+        self.bodies.set_function(bodies_held)
         self.budget.set_function(budget_bytes)  # read at each scrape, as the queue depth is
         self.tok_per_s.set(math.nan)
         self.hit_pct.set(math.nan)
@@ -58,6 +77,7 @@ class ServerMetrics:
             self.reused.inc(usage.prompt_reused)
         if stats is None:
             return
+        self.prompt_eval.observe(stats.prefill_s)
         self.decode_seconds.inc(stats.decode_s)
         self.tok_per_s.set(math.nan if stats.tok_per_s is None else stats.tok_per_s)
         if stats.bytes_read is not None:
