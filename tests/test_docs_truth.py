@@ -102,6 +102,8 @@ def test_make_tiny_help_lists_the_archs_it_writes() -> None:
     assert out.returncode == 0, out.stderr
     text = " ".join(out.stdout.split())
     listed = text.split("--arch ARCH architecture, one of ", 1)[1].split(" (default:", 1)[0]
+    import re
+
     listed = re.sub(r"(\w)- (\w)", r"\1-\2", listed)  # argparse wraps lines at a name's hyphen
     assert sorted(listed.split(", ")) == sorted(ARCHS), listed
 
