@@ -85,7 +85,7 @@ class Session(Protocol):
     def chat_format(self) -> ChatFormat: ...
 
     def stream(self, prompt: str | Sequence[int], max_tokens: int = 64, *, sampling: SamplingParams | None = None,
-               stop: Sequence[str] | str | None = None) -> AsyncIterator[Piece]: ...
+               stop: Sequence[str] | str | None = None, reuse_prompt: bool | None = None) -> AsyncIterator[Piece]: ...
 
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -275,6 +275,7 @@ class Prepared:
     splitter: Callable[[], toolcalls.ReplyParser] | None = None  # chat: a fresh reasoning / answer / calls parser
     prompt_chars: int = 0  # a text completion's prompt length in characters (``text_offset`` counts from it)
     include_usage: bool = False  # stream_options.include_usage: a last chunk with no choices carries usage
+    reuse_prompt: bool | None = None  # False: evaluate the prompt from its first token (None: the session's config)
 
 
 def _check_grammar(session: Session, params: SamplingParams) -> None:
@@ -466,7 +467,7 @@ async def run(session: Session, prepared: Prepared) -> dict[str, Any] | AsyncIte
     if not isinstance(prepared, Prepared):
         raise ConfigError(f"run needs a Prepared request, got {type(prepared).__name__}")
     pieces = session.stream(list(prepared.tokens), prepared.max_tokens, sampling=prepared.sampling,
-                            stop=prepared.stop)
+                            stop=prepared.stop, reuse_prompt=prepared.reuse_prompt)
     answer = _chat if prepared.kind == "chat.completion" else _text
     return await answer(session, prepared, pieces, _Ids(prepared))
 

@@ -367,7 +367,7 @@ class Session:
     async def stream(
         self, prompt: str | Sequence[int], max_tokens: int = 64, *, sampling: SamplingParams | None = None,
         stop: Sequence[str] | str | None = None, stop_at_end: bool = True, special: bool = False,
-        forced: Sequence[int] | None = None,
+        forced: Sequence[int] | None = None, reuse_prompt: bool | None = None,
     ) -> AsyncIterator[Piece]:
         """Generate one Piece per token; the last piece of the stream carries ``finish_reason``
         and ``usage``: the last token's own piece when max_tokens or a stop string ended it, else
@@ -386,6 +386,8 @@ class Session:
         evaluates only the rest (``usage.prompt_evaluated``) as a batch of its own, so the output
         equals a fresh session's up to the order llama.cpp sums in (a token may change on some
         models; ``RunConfig(reuse_prompt=False)`` is exact); streamed still equals resident.
+        ``reuse_prompt`` False does so for this generation alone (a server request's
+        ``cache_prompt: false``); None follows the config.
 
         One generation runs at a time: a second waits its turn (first come, first served) until
         the first has finished or been closed. A generator left by ``break`` and no longer
@@ -424,7 +426,7 @@ class Session:
         async with self._lock:
             model = self._live()
             self._cancel_requested = False
-            reused = self._reuse_prefix(tokens)
+            reused = self._reuse_prefix(tokens, self.config.reuse_prompt if reuse_prompt is None else reuse_prompt)
             # The prompt's decode calls (token-wise, micro-batches or whole batches: a cost model's
             # choice). Asked before last_stats moves on: the planner learns from the previous one.
             batches = prefill_batches(self, tokens[reused:])
@@ -573,12 +575,12 @@ class Session:
             raise ConfigError("the prompt tokenizes to nothing")
         return tokens
 
-    def _reuse_prefix(self, tokens: list[int]) -> int:
+    def _reuse_prefix(self, tokens: list[int], reuse: bool) -> int:
         """Keep the longest prefix the context already holds (at least the last prompt token is
         evaluated again: its logits are needed); clear the rest. Returns the tokens kept."""
         kv = self._kv or []
         n = 0
-        if self.config.reuse_prompt and kv:
+        if reuse and kv:
             limit = min(len(kv), len(tokens) - 1)
             a, b = np.asarray(kv[:limit]), np.asarray(tokens[:limit])
             diff = np.flatnonzero(a != b)
