@@ -200,6 +200,9 @@ class _Seq:
             self.batches.close()  # type: ignore[attr-defined]
             self.batches = None
         host = self.sched.host
+        if self.drafter is not None:
+            self.stats.draft_tokens = self.drafter.stats.drafted
+            self.stats.draft_accepted = self.drafter.stats.accepted
         host._finish_stats(self.stats, self.start)
         host.last_stats = self.stats
         self.sched._release(self)

@@ -77,6 +77,11 @@ class GenerationStats:
     # Who filters graph nodes for the eval callback: "c", "python: <why not c>", None (no callback).
     node_filter: str | None = None
     open_bytes_read: int | None = None  # /proc/self/io read_bytes across Session.open
+    # Drafts (``draft="ngram"``): tokens drafted and verified, and how many the draws kept (None:
+    # no drafts ran). In a step shared with other sequences (``parallel``), the pipeline counters
+    # above cover every step this generation took part in, the others' tokens included.
+    draft_tokens: int | None = None
+    draft_accepted: int | None = None
 
     def add_counters(self, c: Counters) -> None:
         self.slices_read, self.bytes_read, self.read_busy_s = c.slices, c.bytes_read, c.busy_s
