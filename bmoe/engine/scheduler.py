@@ -120,7 +120,7 @@ class _Seq:
     """One generation inside the scheduler: its request, its sampler and its progress."""
 
     def __init__(self, sched: Scheduler, prompt: list[int], max_tokens: int, sampling: SamplingParams,
-                 stops: StopStrings, stop_at_end: bool, forced: list[int] | None) -> None:
+                 stops: StopStrings, stop_at_end: bool, forced: list[int] | None, reuse: bool) -> None:
         host = sched.host
         model = host._model
         self.sched = sched
@@ -130,6 +130,7 @@ class _Seq:
         self.stops = stops
         self.stop_at_end = stop_at_end
         self.forced = forced
+        self.reuse = reuse  # may start from a slot's cells that hold its prompt's beginning
         self.sampler = Sampler(model.vocab, model.n_vocab, sampling, prompt)
         self.queue: asyncio.Queue[object] = asyncio.Queue()
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -246,9 +247,9 @@ class Scheduler:
         return out
 
     async def stream(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, stops: StopStrings,
-                     stop_at_end: bool, forced: list[int] | None) -> AsyncIterator[object]:
+                     stop_at_end: bool, forced: list[int] | None, reuse: bool = True) -> AsyncIterator[Piece]:
         """One generation's pieces, decoded in steps shared with every other sequence."""
-        seq = _Seq(self, prompt, max_tokens, sampling, stops, stop_at_end, forced)
+        seq = _Seq(self, prompt, max_tokens, sampling, stops, stop_at_end, forced, reuse)
         self._waiting.append(seq)
         self._wake()
         try:
@@ -346,7 +347,7 @@ class Scheduler:
             self._free.remove(slot)
             self._admitted += 1
             slot.last_used = self._admitted
-            reused = min(_common(slot.kv, seq.prompt), len(seq.prompt) - 1) if self.host.config.reuse_prompt else 0
+            reused = min(_common(slot.kv, seq.prompt), len(seq.prompt) - 1) if seq.reuse else 0
             if reused == 0 or not model.seq_keep_prefix(slot.seq_id, reused):
                 model.seq_clear(slot.seq_id)
                 reused = 0

@@ -418,7 +418,8 @@ class Session:
                 f"({self._model.n_ctx_seq}); raise the context size (n_ctx)"
             )
         if self._scheduler is not None:  # many sequences or drafts: the step loop decodes it
-            async for piece in self._scheduler.stream(tokens, max_tokens, sampling, stops, stop_at_end, forced):
+            reuse = self.config.reuse_prompt if reuse_prompt is None else reuse_prompt
+            async for piece in self._scheduler.stream(tokens, max_tokens, sampling, stops, stop_at_end, forced, reuse):
                 yield piece  # type: ignore[misc]
             return
         if self._lock is None:
