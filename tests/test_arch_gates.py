@@ -56,6 +56,9 @@ SPECS = {
     "dbrx": TinySpec(arch="dbrx", wtype="f16", **W),  # fused q/k/v, LayerNorm, clamped q/k/v
     "grok": TinySpec(arch="grok", wtype="q8_0", **W),  # GELU experts, softcapped attention and router
     "afmoe": TinySpec(arch="afmoe", wtype="f16", **W),  # sliding windows, gated attention, dense lead
+    "mellum": TinySpec(arch="mellum", wtype="q8_0", **W),  # sliding windows
+    "arctic": TinySpec(arch="arctic", **W),  # a dense residual MLP beside the experts in every block
+    "mistral4": TinySpec(arch="mistral4", wtype="f16", **W),  # deepseek2's MLA under another name
 }
 EVICTING = MiB  # the smallest budget RunConfig takes
 
@@ -107,6 +110,7 @@ EXPECTED_MOE_LAYERS = {
     "ernie4_5-moe": (1,),
     "deepseek": (1, 2),
     "afmoe": (1, 2, 3),
+    "mistral4": (1, 2),
 }
 
 

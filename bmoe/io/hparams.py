@@ -133,7 +133,8 @@ def check_hparams(first: ShardIndex, layout: ModelLayout) -> None:
     n_ff = keys.per_layer("feed_forward_length", n_layer, 1, None)
     n_ff_exp = keys.per_layer("expert_feed_forward_length", n_layer, 1, None)
     _check_shared_expert(keys, layout, n_ff[0])
-    _check_dense_ffn(keys, layout, n_ff)
+    _check_dense_ffn(keys, layout, n_ff if recipe is None or recipe.dense_width_key != "embedding_length"
+                     else [n_embd] * n_layer)
     _check_positive(keys)
     if recipe is not None and recipe.mla:
         _check_mla(keys, layout, n_embd, n_head, n_head_kv)
@@ -179,12 +180,13 @@ def _check_dense_ffn(keys: _Keys, layout: ModelLayout, n_ff: Sequence[int | None
         if span is None:
             continue
         width = n_ff[il] if il < len(n_ff) else None
+        recipe = RECIPES.get(keys.arch)
+        key = keys.name(recipe.dense_width_key if recipe is not None else "feed_forward_length")
         if not width:
-            raise ModelFileError(f"{keys.path}: {keys.name('feed_forward_length')} is missing or 0, and block {il}'s "
-                                 "dense FFN is sized by it (llama.cpp aborts)")
+            raise ModelFileError(f"{keys.path}: {key} is missing or 0, and block {il}'s dense FFN is sized by it "
+                                 "(llama.cpp aborts)")
         if len(span.ne) == 2 and span.ne[1] != width:
-            raise ModelFileError(f"{keys.path}: blk.{il}.ffn_up.weight is {list(span.ne)}, but "
-                                 f"{keys.name('feed_forward_length')} is {width}")
+            raise ModelFileError(f"{keys.path}: blk.{il}.ffn_up.weight is {list(span.ne)}, but {key} is {width}")
 
 
 def _check_positive(keys: _Keys) -> None:

@@ -47,8 +47,8 @@ LEFT_OUT: dict[str, str] = {
     "granite": "dense; its MoE files are granitemoe",
     "nemotron_h": "dense; its MoE files are nemotron_h_moe",
     **{arch: _NOT_YET for arch in (
-        "arctic", "cohere2moe", "deepseek2-ocr", "deepseek32", "dots3note", "exaone-moe", "glm-dsa", "glm5-next",
-        "granite_swa", "granitehybrid", "hy_v3", "hy_v4", "jamba", "kimi-linear", "laguna", "maple", "mellum",
-        "mimo2", "minimax-01", "minimax-m3", "mistral4", "qwen4exp", "step35",
+        "cohere2moe", "deepseek2-ocr", "deepseek32", "dots3note", "exaone-moe", "glm-dsa", "glm5-next",
+        "granite_swa", "granitehybrid", "hy_v3", "hy_v4", "jamba", "kimi-linear", "laguna", "maple", "mimo2",
+        "minimax-01", "minimax-m3", "qwen4exp", "step35",
     )},
 }

@@ -83,6 +83,9 @@ class Recipe:
     gated_delta_net: bool = False
     # Keys whose 0 sizes a tensor the loader creates unconditionally to 0 (``ne[dim] >= 1`` abort).
     positive_keys: tuple[str, ...] = ()
+    # What sizes a dense FFN block (``blk.N.ffn_up``): the key, or ``embedding_length`` where the
+    # block is n_embd wide whatever feed_forward_length says (arctic's residual MLP).
+    dense_width_key: str = FFN_WIDTH
 
     @property
     def expert_suffixes(self) -> tuple[str, ...]:
@@ -185,6 +188,15 @@ RECIPES: dict[str, Recipe] = {
         Recipe("grok", (SPLIT, ("ffn_up_exps", "ffn_down_exps")), _keys(EXPERT_WIDTH), full_rope=True,
                plain_attention=True),
         # Arcee AFM MoE (Trinity): gated attention, leading dense blocks, exp_probs_b required.
+        # Mellum: qwen3moe's block, interleaved sliding windows when attention.sliding_window is set.
+        Recipe("mellum", required_keys=_keys(EXPERT_WIDTH), full_rope=True, plain_attention=True),
+        # Snowflake Arctic: a dense residual MLP n_embd wide beside the experts (sized by
+        # feed_forward_length) in every block.
+        Recipe("arctic", required_keys=_keys(FFN_WIDTH), width_key=FFN_WIDTH, full_rope=True, plain_attention=True,
+               dense_width_key="embedding_length"),
+        # deepseek2's loader and graph under another name.
+        Recipe("mistral4", (SPLIT, FUSED), _keys(EXPERT_WIDTH, "expert_shared_count", "attention.kv_lora_rank"),
+               user_open_fuses=True, mla=True, positive_keys=("expert_shared_count",)),
         # Its graph always builds a sliding-window input: no window (absent or 0) is a segfault.
         Recipe("afmoe", required_keys=_keys(EXPERT_WIDTH, "expert_shared_count", "attention.sliding_window"),
                plain_attention=True, positive_keys=("attention.sliding_window",)),

@@ -234,8 +234,8 @@ def _groups(w: GGUFWriter, a: str, b: _Builder) -> None:
         w.add_uint32(f"{a}.expert_group_used_count", b.x["groups"][1])
 
 
-def _deepseek2_keys(w: GGUFWriter, b: _Builder) -> None:
-    a, x = "deepseek2", b.x
+def _deepseek2_keys(w: GGUFWriter, b: _Builder, a: str = "deepseek2") -> None:
+    x = b.x
     w.add_uint32(f"{a}.feed_forward_length", b.F_dense)
     # 0 for the Lite models (no query compression); written even then, since llama.cpp requires
     # it of every block count but 26 and 27 (a cut-down synth file has fewer layers).
@@ -674,6 +674,37 @@ def _afmoe_keys(w: GGUFWriter, b: _Builder) -> None:
     _gating(w, a)
 
 
+# --- mellum, arctic, mistral4 ---------------------------------------------------------------------------
+
+
+def _mellum_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "attn_norm.weight", E)
+    _attn(b, p)
+    b.ones(p + "ffn_norm.weight", E)
+    _router(b, p)
+    b.experts(p)
+
+
+def _mellum_keys(w: GGUFWriter, b: _Builder) -> None:
+    w.add_uint32("mellum.attention.sliding_window", b.x["sliding_window"])  # every 4th block full
+
+
+def _arctic_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "attn_norm.weight", E)
+    _attn(b, p, norms=False)
+    b.ones(p + "ffn_norm.weight", E)
+    _dense_ffn(b, p, E)  # the residual MLP beside the experts is n_embd wide
+    _router(b, p)
+    b.ones(p + "ffn_norm_exps.weight", E)
+    b.experts(p)
+
+
+def _mistral4_keys(w: GGUFWriter, b: _Builder) -> None:
+    _deepseek2_keys(w, b, "mistral4")
+
+
 FAMILIES: dict[str, Family] = {
     f.arch: f
     for f in (
@@ -706,6 +737,12 @@ FAMILIES: dict[str, Family] = {
         Family("mistral3", _plain_moe_layer, _ffn_width_keys("mistral3"), gate_optional=True),
         Family("dbrx", _dbrx_layer, _dbrx_keys),
         Family("grok", _grok_layer, _grok_keys, gate_optional=True),
+        Family("mellum", _mellum_layer, _mellum_keys, min_layers=2, default_layers=4,
+               extra=(("sliding_window", 128),)),
+        Family("arctic", _arctic_layer, _ffn_width_keys("arctic")),
+        # deepseek2's loader and graph under another name (Mistral's MLA MoE).
+        Family("mistral4", _deepseek2_layer, _mistral4_keys, min_layers=2, default_layers=3,
+               overrides=_deepseek2_overrides, fuses_gate_up=True, extra=_DS_MLA),
         Family("afmoe", _afmoe_layer, _afmoe_keys, min_layers=2, default_layers=4,
                extra=(("n_shared", 1), ("sliding_window", 128))),
     )
