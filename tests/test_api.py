@@ -22,6 +22,7 @@ CONFIG = RunConfig(mode="stream", n_ctx=256)
 HANG_GUARD_S = 120  # only to turn a deadlock into a failure; nothing is timed
 
 
+@pytest.mark.pure
 def test_top_level_import_is_lazy_and_complete() -> None:
     code = ("import sys, bmoe; heavy = [m for m in ('numpy', 'llama_cpp', 'bmoe.engine.session') if m in sys.modules];"
             "from bmoe import Session, SyncSession, RunConfig, SamplingParams, SessionClosedError;"

@@ -162,6 +162,7 @@ def test_cache_budget_must_be_whole_bytes(session) -> None:
     assert session.session.budget_bytes == bank, "past the bank is the bank"
 
 
+@pytest.mark.pure
 def test_run_config_checks_its_field_types(tmp_path: Path) -> None:
     for kwargs, field in [({"odirect": "no"}, "odirect"), ({"io_threads": 2.0}, "io_threads"),
                           ({"n_ctx": "256"}, "n_ctx"), ({"cache_bytes": 1.5e6}, "cache_bytes"),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from bmoe.engine.chat import ChatFormat, Message
 from bmoe.synth.tiny import TinySpec
 from tests.helpers import bmoe
@@ -14,6 +16,7 @@ CHATML = (
 )
 
 
+@pytest.mark.pure
 def test_model_template_is_rendered_by_llama_cpp() -> None:
     fmt = ChatFormat(CHATML)
     text = fmt.render([Message("system", "be brief"), Message("user", "hi")])
@@ -21,6 +24,7 @@ def test_model_template_is_rendered_by_llama_cpp() -> None:
     assert text == "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
+@pytest.mark.pure
 def test_without_a_template_a_plain_transcript_is_used() -> None:
     fmt = ChatFormat(None)
     assert fmt.render([Message("user", "hi")]) == "user: hi\nassistant:"
@@ -89,11 +93,11 @@ ALTERNATING = (
 )
 
 
+@pytest.mark.pure
 def test_a_conversation_the_template_refuses_is_refused_with_its_words() -> None:
     """Mistral's and Llama 2's templates raise_exception on roles that do not alternate: the
     conversation was rendered another way, silently (llama.cpp's server and llama-cpp-python
     refuse it)."""
-    import pytest
 
     from bmoe.engine.sampling import ParamError
 

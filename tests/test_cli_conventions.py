@@ -16,6 +16,7 @@ from tests.helpers import bmoe, cli, one_line
 BMOE = [sys.executable, "-m", "bmoe.cli"]
 
 
+@pytest.mark.pure
 def test_version() -> None:
     r = bmoe("--version")
     assert r.returncode == 0 and r.stdout.startswith("bmoe ") and "llama-cpp-python" in r.stdout

@@ -149,6 +149,7 @@ def test_auto_runs_expert_major_when_one_batch_would_break_the_budget(tiny) -> N
     assert tokens == resident(tiny, path)
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("kw", [{"cache_bytes": 0}, {"cache_bytes": 8 * MiB, "overlap": True},
                                 {"cache_bytes": 8 * MiB, "mode": "resident"}])
 def test_expert_prefill_config_is_validated(kw: dict) -> None:

@@ -20,6 +20,7 @@ def _drop(f: float | None, **kw: object) -> RunConfig:
     return RunConfig(mode="stream", n_ctx=256, cache_bytes=MiB, drop_cold_experts=f, **kw)
 
 
+@pytest.mark.pure
 def test_rule_on_known_inputs() -> None:
     ids = np.array([[3, 1, 2, 0]], np.int32)
     probs = np.array([[0.5, 0.3, 0.15, 0.05]], np.float32)  # shares of the routed mass
@@ -34,6 +35,7 @@ def test_rule_on_known_inputs() -> None:
     assert not choose_drops(ids, probs, none, 0.0).any()
 
 
+@pytest.mark.pure
 def test_rule_keeps_an_expert_another_row_needs() -> None:
     ids = np.array([[3, 1], [1, 3]], np.int32)
     probs = np.array([[0.9, 0.1], [0.9, 0.1]], np.float32)
@@ -94,6 +96,7 @@ def test_counters_report_drops_and_bytes_saved(tiny) -> None:
     assert dropped.bytes_read < exact.bytes_read
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("kw,msg", [
     ({"drop_cold_experts": 0.5}, "stream with a cache budget"),
     ({"drop_cold_experts": 0.5, "mode": "resident"}, "stream with a cache budget"),
@@ -107,6 +110,7 @@ def test_nonsense_is_refused(kw: dict, msg: str) -> None:
         RunConfig(**kw)
 
 
+@pytest.mark.pure
 def test_levers_off_keep_the_plain_callback(tiny) -> None:
     """Decided at construction: with no node-level lever the session gets the plain callback, so
     the per-node path is exactly the lossless one."""
@@ -138,6 +142,7 @@ def test_routers_whose_scores_are_not_shares_are_refused_at_open(tiny, arch: str
         Session.open(path, RunConfig(mode="stream", n_ctx=256, cache_bytes=1 << 20, drop_cold_experts=0.0))
 
 
+@pytest.mark.pure
 def test_zero_fraction_drops_nothing_whatever_the_scores() -> None:
     from bmoe.llama.drop_cold import choose_drops
 

@@ -28,6 +28,7 @@ def _run(tiny, n: int) -> tuple[list[int], list[tuple[int, tuple[int, ...]]]]:  
     return generate_tokens(tiny.path(SPEC4), _ahead(n), hooks), reads
 
 
+@pytest.mark.pure
 def test_top_k_rows_best_first_ties_to_the_lower_id() -> None:
     router = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 1.0]], np.float32)
     x = np.array([[1.0, 0.0], [0.0, 2.0]], np.float32)
@@ -53,6 +54,7 @@ def test_reads_are_all_issued_ahead_and_deterministic(tiny, n: int) -> None:
         assert got != tiny.resident_tokens(tiny.path(SPEC4)), "the routing was never replaced"
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("kw,msg", [
     ({"route_ahead": 1}, "stream with a cache budget"),
     ({"route_ahead": -1, "cache_bytes": MiB}, "0..64"),

@@ -43,12 +43,14 @@ def test_layout_follows_k(tiny) -> None:
         assert s.layout.n_expert_used == 2
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("k", [5, 9])
 def test_k_above_the_file_is_one_clear_error(tiny, k: int) -> None:
     with pytest.raises(ConfigError, match=r"n_expert_used must be 1\.\.4 \(the file's qwen3moe.expert_used_count\)"):
         Session.open(tiny.path(SPEC), _stream(n_expert_used=k))
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("k", [0, -1])
 def test_k_below_one_is_refused_by_the_config(k: int) -> None:
     with pytest.raises(ConfigError, match="n_expert_used must be at least 1"):

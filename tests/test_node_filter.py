@@ -58,6 +58,7 @@ def test_the_c_and_python_filters_give_the_resident_tokens(tiny: TinyModels, mon
     assert generate_tokens(path, EVICTING) == resident
 
 
+@pytest.mark.pure
 def test_without_a_compiler_the_python_filter_is_installed(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
     monkeypatch.setattr(node_filter, "_loaded", None)
     monkeypatch.setattr(node_filter, "_failed", None)
@@ -81,6 +82,7 @@ def test_the_stats_say_which_filter_ran(tiny: TinyModels, monkeypatch: pytest.Mo
     assert asyncio.run(kind(EVICTING)) == "python: BMOE_NODE_FILTER=python"
 
 
+@pytest.mark.pure
 def test_a_failed_build_is_not_tried_again_at_every_open(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
     monkeypatch.setattr(node_filter, "_loaded", None)
     monkeypatch.setattr(node_filter, "_failed", None)

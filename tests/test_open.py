@@ -202,6 +202,7 @@ def fake_memory(mem_total: int, swap: int = 0, commit_limit: int = 0, committed:
     return lambda: {"MemTotal": mem_total, "SwapTotal": swap, "CommitLimit": commit_limit, "Committed_AS": committed}
 
 
+@pytest.mark.pure
 def test_choose_open_mode(tmp_path: Path) -> None:
     layout = layout_of(tmp_path, TinySpec(arch="qwen3moe"))
     need = user_alloc_bytes(layout)

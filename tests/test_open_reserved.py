@@ -108,6 +108,7 @@ def test_experts_live_in_the_reservation(tmp_path: Path) -> None:
         opened.free()  # idempotent
 
 
+@pytest.mark.pure
 def test_expert_pattern_matches_only_expert_weights(tmp_path: Path) -> None:
     layout = read_layout(write_tiny(tmp_path / "t.gguf", TinySpec(arch="qwen2moe"))[0])
     pattern = re.compile(expert_pattern(layout))

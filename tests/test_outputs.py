@@ -32,6 +32,7 @@ def split_model(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     return write_tiny(folder / "m.gguf", TinySpec(wtype="q8_0", shards=2))
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("flag,extra", [
     ("--csv", ()), ("--route-trace", ()), ("--route-trace", ("--resident",)),
     ("--route-trace", ("--open-mode", "mmap-drop")),
@@ -45,6 +46,7 @@ def test_run_refuses_an_output_onto_the_model(split_model, flag, extra, target) 
     assert [digest(p) for p in split_model] == before
 
 
+@pytest.mark.pure
 def test_a_hard_link_or_symlink_to_the_model_is_refused(split_model, tmp_path: Path) -> None:  # noqa: ANN001
     link, sym = tmp_path / "link.csv", tmp_path / "sym.csv"
     os.link(split_model[1], link)
@@ -54,6 +56,7 @@ def test_a_hard_link_or_symlink_to_the_model_is_refused(split_model, tmp_path: P
             check_output(out, "--csv", split_model)
 
 
+@pytest.mark.pure
 def test_replay_refuses_outputs_onto_its_trace(tmp_path: Path) -> None:
     trace = tmp_path / "t.route.csv"
     trace.write_text("route_trace v1\n")
@@ -64,6 +67,7 @@ def test_replay_refuses_outputs_onto_its_trace(tmp_path: Path) -> None:
     assert digest(trace) == before
 
 
+@pytest.mark.pure
 def test_output_folders_and_permissions_are_checked_first(tmp_path: Path) -> None:
     with pytest.raises(OutputPathError, match="does not exist"):
         check_output(tmp_path / "no" / "x.csv", "--csv")
@@ -76,6 +80,7 @@ def test_output_folders_and_permissions_are_checked_first(tmp_path: Path) -> Non
         check_output_dir(tmp_path / "f", "--out")
 
 
+@pytest.mark.pure
 def test_a_disk_or_a_socket_is_never_an_output(tmp_path: Path) -> None:
     """Run as root (CI is), ``--csv /dev/vda`` passed the writable check and would have written
     over the disk's first blocks. A block device node of the test's own (never opened) and a
@@ -95,11 +100,13 @@ def test_a_disk_or_a_socket_is_never_an_output(tmp_path: Path) -> None:
         check_output(tmp_path / "disk", "--route-trace")
 
 
+@pytest.mark.pure
 def test_a_split_name_with_an_absurd_shard_count_is_refused_without_building_paths() -> None:
     with pytest.raises(MissingShardError, match="99999999999 shards"):
         split_shard_paths(Path("m-00001-of-99999999999.gguf"))
 
 
+@pytest.mark.pure
 def test_an_output_onto_a_prompt_grammar_or_another_output_is_refused(split_model, tmp_path: Path) -> None:  # noqa: ANN001
     prompt, grammar = tmp_path / "p.txt", tmp_path / "g.gbnf"
     prompt.write_text("hello")
@@ -118,6 +125,7 @@ def test_an_output_onto_a_prompt_grammar_or_another_output_is_refused(split_mode
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
+@pytest.mark.pure
 def test_make_tiny_and_synth_never_overwrite_a_file_or_write_through_a_link(tmp_path: Path) -> None:
     real = write_tiny(tmp_path / "real.gguf", TinySpec())[0]
     before = digest(real)
@@ -139,6 +147,7 @@ def test_make_tiny_and_synth_never_overwrite_a_file_or_write_through_a_link(tmp_
     assert digest(real) == before == digest(hard)
 
 
+@pytest.mark.pure
 def test_a_forced_command_that_is_refused_keeps_the_file_it_would_replace(tmp_path: Path) -> None:
     """--force used to unlink the old file before the rest was checked: a bad spec, a disk too
     small or a second shard's name then left the user with neither model."""

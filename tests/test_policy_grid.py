@@ -20,6 +20,7 @@ CELLS = [  # (experts, top-k, layers) x (law, skew, reuse): the grid's corners, 
 ]
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(("shape", "law", "skew", "reuse"), CELLS)
 def test_default_holds_up_on_the_grid(shape: tuple[int, int, int], law: str, skew: float, reuse: float) -> None:
     n_expert, k, n_layer = shape
@@ -39,6 +40,7 @@ def test_default_holds_up_on_the_grid(shape: tuple[int, int, int], law: str, ske
         assert all(x.max_resident_bytes <= budget for x in r.values())
 
 
+@pytest.mark.pure
 def test_a_profile_from_an_earlier_session_closes_more_of_the_gap() -> None:
     """Skewed popularity with weak reuse (gpt-oss's kind): a cold run spends its first hundred
     tokens learning which experts are popular, a run seeded from the last run's profile knows."""
@@ -56,6 +58,7 @@ def test_a_profile_from_an_earlier_session_closes_more_of_the_gap() -> None:
     assert hits["warm"] - hits["lru"] >= hits["default"] - hits["lru"] + 0.1 * gap, hits
 
 
+@pytest.mark.pure
 def test_generator_hits_its_targets() -> None:
     """Reuse is what it is asked for where popularity allows it; skew concentrates routing."""
     flat = measure(routing_trace(RoutingSpec(skew=0.0, reuse=0.38, tokens=64)))
@@ -74,6 +77,7 @@ def test_generator_hits_its_targets() -> None:
         RoutingSpec(reuse=float("nan"))
 
 
+@pytest.mark.pure
 def test_lognormal_law_touches_fewer_experts_than_zipf() -> None:
     """The light-tailed law the real trace has: far fewer distinct experts per layer."""
     import numpy as np
@@ -90,6 +94,7 @@ def test_lognormal_law_touches_fewer_experts_than_zipf() -> None:
         RoutingSpec(law="pareto")
 
 
+@pytest.mark.pure
 def test_markov_reference_uses_the_carry_over_and_stays_under_belady() -> None:
     """The bench's ``markov`` reference knows the generator's carry-over: with strong reuse at one
     token's working set it beats LRU and the popularity-only oracle; Belady stays the ceiling."""

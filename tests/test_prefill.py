@@ -105,6 +105,7 @@ def test_auto_learns_and_keeps_resident_tokens(tiny) -> None:
     assert out == want
 
 
+@pytest.mark.pure
 def test_prefill_config_is_validated() -> None:
     with pytest.raises(ConfigError, match="prefill"):
         RunConfig(prefill="sideways")
@@ -121,12 +122,14 @@ def warm(cached: int) -> list[LayerCache]:
     return [LayerCache(l.n_expert, l.k, l.expert_bytes, cached) for l in LAYERS]
 
 
+@pytest.mark.pure
 def test_distinct_experts() -> None:
     assert distinct(128, 8, 1) == pytest.approx(8)
     assert distinct(128, 8, 1000) == pytest.approx(128)
     assert distinct(128, 8, 2) < 16
 
 
+@pytest.mark.pure
 def test_forced_and_unmeasured_choices() -> None:
     assert choose("token", 50, 512, LAYERS, MEASURED).chunk == 1
     assert choose("micro", 50, 512, LAYERS, MEASURED).chunk == 8
@@ -138,6 +141,7 @@ def test_forced_and_unmeasured_choices() -> None:
         choose("sideways", 5, 512, LAYERS, MEASURED)
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("cached,hit", [(0, None), (64, None), (96, 0.9), (120, 0.5)])
 def test_chunking_never_reads_less_than_one_batch(cached: int, hit: float | None) -> None:
     """Under one routing an expert the batch reads once, a chunked run reads at first use too."""
@@ -146,6 +150,7 @@ def test_chunking_never_reads_less_than_one_batch(cached: int, hit: float | None
         assert all(read_bytes(warm(cached), n, m, hit) >= batch for m in (1, 2, 4, 8, 16))
 
 
+@pytest.mark.pure
 def test_measured_auto_runs_one_batch_when_it_fits() -> None:
     rates = Rates(1e9, 0.05, 0.002, hit=0.9)
     for n in (5, 50, 1000):
@@ -154,6 +159,7 @@ def test_measured_auto_runs_one_batch_when_it_fits() -> None:
     assert choose("auto", 50, 512, LAYERS, Rates(1e9, 0.05, 0.002, hit=0.0)).strategy == "batch"
 
 
+@pytest.mark.pure
 def test_auto_keeps_one_batch_where_the_estimate_favours_chunks() -> None:
     """Measured on a 48-layer model: a warm cache holding ~60 of 128 experts a layer, a decode hit
     rate of 87 % (skewed routing) against the uniform-routing union of one batch makes chunks look
@@ -167,6 +173,7 @@ def test_auto_keeps_one_batch_where_the_estimate_favours_chunks() -> None:
     assert c.strategy == "batch" and c.chunk == 512 and c.est_s is not None, c.reason
 
 
+@pytest.mark.pure
 def test_auto_never_chunks_even_where_one_batch_would_break_the_budget() -> None:
     """A cold 50-token union is about 122 of 128 experts a layer (122 MiB here): a 32 MiB budget
     holds the union of a few tokens only. auto chose micro-batches there, which sum in another
@@ -180,6 +187,7 @@ def test_auto_never_chunks_even_where_one_batch_would_break_the_budget() -> None
     assert choose("auto", 50, 512, LAYERS, rates, budget_bytes=0).strategy == "batch"
 
 
+@pytest.mark.pure
 def test_auto_runs_expert_major_where_one_batch_would_break_the_budget() -> None:
     rates = Rates(1e9, 0.05, 0.002, hit=0.0)
     tight = choose("auto", 50, 512, LAYERS, rates, budget_bytes=32 << 20, expert=True)
@@ -192,6 +200,7 @@ def test_auto_runs_expert_major_where_one_batch_would_break_the_budget() -> None
     assert choose("expert", 50, 512, LAYERS, rates).strategy == "expert"
 
 
+@pytest.mark.pure
 def test_a_warm_cache_counts_the_experts_it_already_holds_in_the_union() -> None:
     """A batch pins its whole union while a layer computes, cached experts too. Counting only the
     reads, a warm cache holding most of a layer chose one batch whose union was 6.2 MiB against a

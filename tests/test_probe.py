@@ -14,6 +14,7 @@ from tests.helpers import TinySpec, write_tiny
 MiB = 1 << 20
 
 
+@pytest.mark.pure
 def test_the_model_probe_reads_distinct_expert_slices_of_the_model_and_writes_nothing(tmp_path: Path) -> None:
     model = write_tiny(tmp_path / "tiny.gguf", TinySpec())[0]
     layout = open_layout(model)
@@ -28,12 +29,14 @@ def test_the_model_probe_reads_distinct_expert_slices_of_the_model_and_writes_no
     assert probe.measure_model(layout, 1, reads=5).reads == 5
 
 
+@pytest.mark.pure
 def test_the_model_probe_refuses_nonsense(tmp_path: Path) -> None:
     layout = open_layout(write_tiny(tmp_path / "tiny.gguf", TinySpec())[0])
     with pytest.raises(ValueError, match="lanes"):
         probe.measure_model(layout, 0)
 
 
+@pytest.mark.pure
 def test_the_scratch_probe_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(probe, "_SCRATCH_BYTES", 4 * MiB)
     result = probe.measure(tmp_path, 64 * 1024, 2, reads=16)
@@ -41,6 +44,7 @@ def test_the_scratch_probe_leaves_nothing_behind(tmp_path: Path, monkeypatch: py
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("entry", [
     [], {"mib_s": 0, "slice_bytes": 4096, "lanes": 2, "mode": "odirect", "reads": 1, "how": "x"},
     {"mib_s": "fast", "slice_bytes": 4096, "lanes": 2, "mode": "odirect", "reads": 1, "how": "x"},
@@ -63,6 +67,7 @@ def test_a_bad_stored_probe_is_measured_again(tmp_path: Path, monkeypatch: pytes
     assert probe.stored_probe(probe.read_store()[key]) == fresh, "the store holds the new one"
 
 
+@pytest.mark.pure
 def test_a_probe_where_no_scratch_file_can_be_made_says_why(tmp_path: Path) -> None:
     from bmoe.errors import ConfigError
 

@@ -22,6 +22,7 @@ from tests.helpers import generate_tokens
 SPEC = TinySpec(n_embd=256, n_ff=256, n_layer=3)
 
 
+@pytest.mark.pure
 def test_profile_round_trips(tmp_path: Path) -> None:
     usage = {0: np.linspace(0, 1, 8), 2: np.zeros(8)}
     path = tmp_path / "m.profile.json"
@@ -45,6 +46,7 @@ def test_profile_round_trips(tmp_path: Path) -> None:
             load_profile(path, n_layer=3, n_expert=8)
 
 
+@pytest.mark.pure
 def test_a_profile_to_a_device_is_written_in_place_never_renamed_over_it(full_device: str, tmp_path: Path) -> None:
     """The profile goes through a temporary file renamed over its name: over a device that rename
     would replace the device (run as root, /dev/null itself). A device is written where it is."""
@@ -62,6 +64,7 @@ def test_a_profile_to_a_device_is_written_in_place_never_renamed_over_it(full_de
     assert stat.S_ISFIFO(os.stat(fifo).st_mode)
 
 
+@pytest.mark.pure
 def test_a_policy_seeded_from_its_own_usage_starts_warm() -> None:
     """Routing with a hot expert per layer: seeded, the policy keeps the hot ones from the start."""
     rng = np.random.default_rng(0)
@@ -84,6 +87,7 @@ def test_a_policy_seeded_from_its_own_usage_starts_warm() -> None:
     assert cold.steps == 40 and all(u.argmax() == 0 for u in cold.usage().values())
 
 
+@pytest.mark.pure
 def test_usage_is_a_per_token_chance_whatever_the_runs_length() -> None:
     """The slowest rate is a 1024-visit average started at zero: after 40 visits it holds 4 % of
     an always-routed expert's chance. ``usage`` corrects that (the hot expert is 1.0, a layer sums
@@ -132,6 +136,7 @@ def test_seeded_run_gives_the_cold_runs_tokens(tiny, tmp_path: Path) -> None:  #
     assert load_profile(profile, n_layer=SPEC.n_layer, n_expert=SPEC.n_expert).usage.keys() == saved.keys()
 
 
+@pytest.mark.pure
 def test_profile_at_the_models_path_is_refused(tiny) -> None:  # noqa: ANN001
     from bmoe.engine.session import Session
     from bmoe.errors import OutputPathError
@@ -143,6 +148,7 @@ def test_profile_at_the_models_path_is_refused(tiny) -> None:  # noqa: ANN001
     assert path.read_bytes() == before
 
 
+@pytest.mark.pure
 def test_prewarm_order_takes_the_most_used_that_fit() -> None:
     usage = {0: np.array([0.1, 0.0, 0.9, 0.5]), 1: np.array([0.8, 0.2, 0.0, 0.0]), 5: np.array([1.0, 1.0])}
     order = prewarm_order(usage, {0: 100, 1: 100}, 350)  # layer 5 has no experts here: skipped
@@ -151,6 +157,7 @@ def test_prewarm_order_takes_the_most_used_that_fit() -> None:
     assert prewarm_order(usage, {0: 100, 1: 100}, 99) == []
 
 
+@pytest.mark.pure
 def test_fill_admits_into_free_room_only() -> None:
     cache = ExpertCache(250, {0: 100}, AdaptiveReusePolicy())
     cache.plan(0, (1,))
@@ -194,6 +201,7 @@ def test_prewarm_reads_the_profile_and_gives_the_resident_tokens(tiny, tmp_path:
     assert seen
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("edit", [
     lambda d: d["layers"].update({"\u00b2": [0.1] * 8}),  # isdigit() but not int(): an internal error
     lambda d: d["layers"].update({"00": [0.1] * 8}),  # layer 0 a second time, the last one winning

@@ -16,6 +16,7 @@ from bmoe.pipeline.simulate import simulate
 from bmoe.pipeline.trace import TraceWriter, read_trace
 
 
+@pytest.mark.pure
 def test_routed_set_gives_each_expert_its_best_rank() -> None:
     experts, ranks = routed_set(np.array([[7, 3, 5]], dtype=np.int32))
     assert experts.tolist() == [3, 5, 7] and ranks.tolist() == [1, 2, 0]
@@ -25,6 +26,7 @@ def test_routed_set_gives_each_expert_its_best_rank() -> None:
     assert experts.tolist() == np.unique([[7, 3, 5], [5, 9, 7]]).tolist()  # the set np.unique gave
 
 
+@pytest.mark.pure
 def test_the_gate_hands_ranks_on_both_paths() -> None:
     gate = RoutingGate(fast_path=FastPath.over([np.ones(16, dtype=bool)]))
     gate.route(0, np.array([[9, 2, 4]], dtype=np.int32))  # all resident: the fast path
@@ -52,6 +54,7 @@ def _trace() -> str:
     return buf.getvalue()
 
 
+@pytest.mark.pure
 def test_trace_events_carry_ranks_and_weights(tmp_path) -> None:  # noqa: ANN001
     path = tmp_path / "t.route.csv"
     path.write_text(_trace())
@@ -68,6 +71,7 @@ def test_trace_events_carry_ranks_and_weights(tmp_path) -> None:  # noqa: ANN001
     assert [s[2] for s in spy.seen] == [e.ranks for e in evs]
 
 
+@pytest.mark.pure
 def test_cache_without_ranks_tells_the_policy_none() -> None:
     spy = Spy()
     ExpertCache(100, {0: 10}, spy).plan(0, (1, 2))

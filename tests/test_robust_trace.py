@@ -48,6 +48,7 @@ CASES = {
 }
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_hostile_trace_is_one_line_under_a_memory_cap(case: str, tmp_path: Path) -> None:
     data = CASES[case]
@@ -62,6 +63,7 @@ def test_hostile_trace_is_one_line_under_a_memory_cap(case: str, tmp_path: Path)
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.pure
 def test_header_bounds_in_process(tmp_path: Path) -> None:
     path = tmp_path / "t.route.csv"
     path.write_text(HEAD + "# model=m arch=qwen3moe n_layer=2000000000 n_expert=8 n_expert_used=2\n" + COLS)
@@ -73,6 +75,7 @@ def test_header_bounds_in_process(tmp_path: Path) -> None:
         read_trace(path)
 
 
+@pytest.mark.pure
 def test_probe_caps_its_scratch_and_leaves_nothing(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setattr(probe, "_SCRATCH_BYTES", 4 << 20)
     monkeypatch.setattr(probe, "MAX_PROBE_SLICE", 1 << 20)
@@ -82,6 +85,7 @@ def test_probe_caps_its_scratch_and_leaves_nothing(tmp_path: Path, monkeypatch) 
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.pure
 def test_probe_scratch_is_unnamed_even_when_killed(tmp_path: Path) -> None:
     code = textwrap.dedent(f"""
         import os, sys, time

@@ -44,6 +44,7 @@ def sampled(path, config: RunConfig, params: SamplingParams = SAMPLED, hooks=Non
     return run(path, config, [(PROMPT, {"sampling": params, "stop_at_end": False})], hooks)[0].tokens
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("bad", [
     {"temperature": -1}, {"temperature": float("nan")}, {"top_p": 1.5}, {"top_k": -1}, {"top_k": 2.5},
     {"min_p": -0.1}, {"repeat_penalty": 0}, {"seed": -3}, {"seed": True}, {"logprobs": 99},
@@ -149,6 +150,7 @@ def test_logprobs_are_the_models_distribution(tiny) -> None:
     assert g.tokens == tiny.resident_tokens(path)[:5]
 
 
+@pytest.mark.pure
 def test_stop_strings_unit() -> None:
     s = StopStrings(["\n\n", "END"])
     assert s.feed("ab\n") == "ab"  # "\n" might start "\n\n": held back
@@ -237,6 +239,7 @@ def test_presence_and_frequency_penalties_change_the_draw_and_stream_like_reside
     assert sampled(path, EVICTING, penalised) == resident
 
 
+@pytest.mark.pure
 def test_stderr_held_on_two_threads_is_given_back_to_stderr() -> None:
     """A grammar's compile holds fd 2 in a temporary file. Two at once on two threads (two
     sessions) each restored the other's file as stderr, losing every later line; one at a time now.
@@ -308,6 +311,7 @@ def test_filters_see_each_tokens_own_ids(tiny, narrow: dict) -> None:
             wide.close()
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("kw,param", [
     ({"json_schema": {"type": "string", "maxLength": 50000}}, "json_schema"),  # SIGSEGV in llama.cpp's parser
     ({"json_schema": {"type": "string", "minLength": 10 ** 8}}, "json_schema"),  # gigabytes, the GIL held

@@ -105,6 +105,7 @@ def expected_shapes(shape: MoeShape, n_layer: int, wtype: str) -> dict[str, tupl
     return out
 
 
+@pytest.mark.pure
 def test_written_file_matches_the_shape_table(model) -> None:
     shape = get_shape("qwen3-30b-a3b")
     index = read_index(model("q4_0"))
@@ -119,6 +120,7 @@ def test_written_file_matches_the_shape_table(model) -> None:
             m[f"{a}.attention.key_length"], m[f"{a}.rope.freq_base"]) == (32, 4, 128, 1e6)
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("name", sorted(n for n, s in SHAPES.items() if s.arch not in FAMILIES))
 def test_plans_match_the_shape_table(name: str) -> None:
     shape = get_shape(name)
@@ -136,6 +138,7 @@ def _first_chunks(spec: SynthSpec) -> dict[str, str]:
             for t in planned(spec)[2]}
 
 
+@pytest.mark.pure
 def test_deterministic_per_seed(model) -> None:
     spec = SynthSpec(like="qwen3-30b-a3b", n_layer=2, wtype="q4_0")
     a = _first_chunks(spec)
@@ -159,11 +162,13 @@ def test_deterministic_per_seed(model) -> None:
     assert end == last.offset + last.nbytes + (-(last.offset + last.nbytes) % 32)
 
 
+@pytest.mark.pure
 def test_vocab_is_padded_to_the_real_size() -> None:
     vocab = padded_vocab(151936)
     assert len(vocab) == 151936 and len(set(vocab.tokens)) == 151936
 
 
+@pytest.mark.pure
 def test_unknown_like_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"unknown model 'qwen9-moe'.*qwen1\.5-moe-a2\.7b.*qwen3-30b-a3b"):
         write_synth(tmp_path / "x.gguf", SynthSpec(like="qwen9-moe"))
@@ -216,6 +221,7 @@ def test_route_drift_makes_the_one_layer_early_guess_fallible(tmp_path: Path) ->
     assert tokens == generate(path, "resident")
 
 
+@pytest.mark.pure
 def test_quant_blocks_have_the_intended_scale() -> None:
     from gguf.quants import dequantize
 
@@ -229,6 +235,7 @@ def test_quant_blocks_have_the_intended_scale() -> None:
         assert abs(w.mean()) < 0.02 * 0.02
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("direct", [True, False])
 def test_sink_appends_exactly_what_it_is_given(tmp_path: Path, direct: bool) -> None:
     from bmoe.synth.big import _Sink
@@ -254,6 +261,7 @@ def _plan(like: str, layers: int | None = None) -> dict[str, tuple]:  # noqa: AN
     return {t.name: (t.shape, t.qtype.name) for t in tensors}
 
 
+@pytest.mark.pure
 def test_gpt_oss_120b_plan_has_mxfp4_experts_and_f32_biases() -> None:
     plan = _plan("gpt-oss-120b")
     assert plan["blk.35.ffn_gate_exps.weight"] == ((128, 2880, 2880), "MXFP4")
@@ -263,6 +271,7 @@ def test_gpt_oss_120b_plan_has_mxfp4_experts_and_f32_biases() -> None:
     assert _plan("gpt-oss-20b")["blk.23.ffn_up_exps.weight"] == ((32, 2880, 2880), "MXFP4")
 
 
+@pytest.mark.pure
 def test_glm_45_air_plan_has_a_dense_lead_and_an_mtp_block() -> None:
     plan = _plan("glm-4.5-air")
     assert plan["blk.0.ffn_gate.weight"][0] == (10944, 4096) and "blk.0.ffn_gate_exps.weight" not in plan
@@ -271,6 +280,7 @@ def test_glm_45_air_plan_has_a_dense_lead_and_an_mtp_block() -> None:
     assert plan["blk.46.ffn_gate_exps.weight"][0] == (128, 1408, 4096)
 
 
+@pytest.mark.pure
 def test_deepseek_v2_lite_and_qwen35_plans() -> None:
     ds = _plan("deepseek-v2-lite")
     assert ds["blk.1.attn_q.weight"][0] == (16 * 192, 2048) and "blk.1.attn_q_a.weight" not in ds
@@ -283,6 +293,7 @@ def test_deepseek_v2_lite_and_qwen35_plans() -> None:
     assert "blk.40.nextn.eh_proj.weight" in q
 
 
+@pytest.mark.pure
 def test_file_name_changes_with_what_the_bytes_depend_on() -> None:
     base = SynthSpec(like="qwen3-30b-a3b", n_layer=8, wtype="q4_0")
     names = {s.file_name() for s in (base, SynthSpec(like="qwen3-30b-a3b", n_layer=8, wtype="q4_0", seed=1),
@@ -292,6 +303,7 @@ def test_file_name_changes_with_what_the_bytes_depend_on() -> None:
     assert len(names) == 5 and base.file_name() == "synth-qwen3-30b-a3b-l8-q4_0-drift0.2.gguf"
 
 
+@pytest.mark.pure
 def test_a_link_left_at_the_temporary_name_is_never_written_through(tmp_path) -> None:
     """``OUT.partial`` was opened as it was: a link there had its target truncated and replaced by
     the model, and the link itself renamed to OUT."""

@@ -30,6 +30,7 @@ def run(splitter: ThinkSplitter, pieces: list[str]) -> tuple[str, str]:
     return "".join(r) + fr, "".join(a) + fa
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("pieces,expected", [
     (["<think>", "plan", "</think>", "\n\nAnswer"], ("plan", "Answer")),
     (["<th", "ink>pl", "an</th", "ink>", "Ans", "wer"], ("plan", "Answer")),
@@ -43,6 +44,7 @@ def test_splitter(pieces: list[str], expected: tuple[str, str]) -> None:
     assert run(ThinkSplitter(), pieces) == expected
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("pieces,expected", [
     (["<thi"], ("", "")),  # cut while writing <think>: it had leaked as the answer, and the turn was kept
     (["<think>plan</thi"], ("plan", "")),
@@ -61,10 +63,12 @@ def test_a_reply_cut_inside_a_marker_drops_the_markers_start(pieces: list[str], 
     assert channels.flush(cut=True) == ("", "")
 
 
+@pytest.mark.pure
 def test_a_prompt_that_opened_the_block_starts_in_reasoning() -> None:
     assert run(ThinkSplitter("<|im_start|>assistant\n<think>\n"), ["weigh it", "</think>", "done"]) == ("weigh it", "done")
 
 
+@pytest.mark.pure
 def test_enable_thinking_reaches_the_template() -> None:
     fmt = ChatFormat(QWEN3_LIKE)
     msgs = [Message("user", "hi")]

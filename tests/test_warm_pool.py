@@ -3,6 +3,8 @@
 import asyncio
 import time
 
+import pytest
+
 from bmoe.engine.config import RunConfig
 from bmoe.engine.session import Session
 from bmoe.io.regions import Region, WarmPool, move_pages, resident_bytes_of
@@ -19,6 +21,7 @@ def _wait(cond, timeout=10.0):
     return cond()
 
 
+@pytest.mark.pure
 def test_pool_faults_in_up_to_the_room_and_hands_pages_over():
     used = [0]
     pool = WarmPool(8 * MiB, lambda: 8 * MiB, lambda: used[0])
@@ -36,6 +39,7 @@ def test_pool_faults_in_up_to_the_room_and_hands_pages_over():
         pool.close()
 
 
+@pytest.mark.pure
 def test_pool_pauses_and_gives_back_when_the_cache_fills():
     used = [0]
     pool = WarmPool(64 * MiB, lambda: 64 * MiB, lambda: used[0])
@@ -84,6 +88,7 @@ def test_pool_pages_given_to_an_evicting_cache_change_no_token(tiny) -> None:
     assert taken > 0, "misses took the pool's pages"
 
 
+@pytest.mark.pure
 def test_no_warm_pool_flag_turns_it_off() -> None:
     from bmoe.cli import build_parser
     from bmoe.cli.flags import _config
