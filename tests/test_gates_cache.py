@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -17,7 +15,7 @@ from bmoe.errors import BudgetError
 from bmoe.metrics.sinks import read_csv
 from bmoe.pipeline.hooks import Hooks
 from bmoe.synth.tiny import TinySpec
-from tests.helpers import N_TOKENS, PROMPT, generate_tokens
+from tests.helpers import N_TOKENS, PROMPT, bmoe, generate_tokens
 
 # Experts of ~0.8 MB (f32) or ~0.2 MB (q8_0): a 1 MiB budget evicts within every token.
 BIG_EXPERTS = TinySpec(n_embd=256, n_ff=256, n_layer=3)
@@ -198,11 +196,7 @@ def test_auto_budget_is_sized_at_open(tiny) -> None:
 def test_csv_header_carries_the_configuration_and_one_row_per_token(tiny, tmp_path) -> None:
     path = tiny.path(BIG_EXPERTS)
     out = tmp_path / "m.csv"
-    proc = subprocess.run(
-        [sys.executable, "-m", "bmoe.cli", "run", "-m", str(path), "-p", PROMPT, "-n", "10",
-         "--cache-mb", "2", "--csv", str(out), "-c", "256", "--json"],
-        capture_output=True, text=True, timeout=120,
-    )
+    proc = bmoe("run", "-m", path, "-p", PROMPT, "-n", "10", "--cache-mb", "2", "--csv", out, "-c", "256", "--json")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     for key in ("cache_hit_pct", "resident_cache_bytes", "open_bytes_read", "budget_bytes"):
