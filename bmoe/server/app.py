@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -54,7 +55,9 @@ from bmoe.engine.lossy import lossy_label
 from bmoe.engine.sampling import ParamError
 from bmoe.engine.session import Session
 from bmoe.errors import BmoeError, ConfigError, SessionClosedError
+from bmoe.server import llama_routes
 from bmoe.server.bodies import Bodies, BodiesFull, Held
+from bmoe.server.fields import FieldError, check_fields
 from bmoe.server.metrics import ServerMetrics
 from bmoe.server.schemas import ChatRequest, CompletionRequest
 from bmoe.server.turns import QueueFull, Turns
@@ -105,6 +108,23 @@ class _BadRequest(Exception):
                    headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
+def _own_names(bad: _BadRequest, request: ChatRequest | CompletionRequest) -> _BadRequest:
+    """A refusal under the request's own name for the field (the engine knows the limit as
+    max_tokens, a schema as response_format)."""
+    own = None
+    if bad.param == "max_tokens" and request.n_predict is not None:
+        own = "n_predict"
+    elif (bad.param == "max_tokens" and isinstance(request, ChatRequest) and request.max_tokens is None
+            and request.max_completion_tokens is not None):
+        own = "max_completion_tokens"
+    elif bad.param == "response_format" and request.json_schema is not None:
+        own = "json_schema"
+    if own is not None:
+        bad.message = bad.message.replace(bad.param, own)
+        bad.param = own
+    return bad
+
+
 class _Gone(Exception):
     """The client went away before its whole body came (starlette's ClientDisconnect)."""
 
@@ -143,6 +163,10 @@ def _parse(body: bytes | bytearray, schema: type[BaseModel]) -> Any:
     _check_tree(value)
     if not isinstance(value, dict):
         raise _BadRequest(400, "the body must be a JSON object")
+    try:
+        check_fields(value, schema.model_fields.keys())
+    except FieldError as exc:
+        raise _BadRequest(400, str(exc), exc.param, "unknown_parameter" if "Unrecognized" in str(exc) else None) from None
     try:
         return schema.model_validate(value)
     except ValidationError as exc:
@@ -192,12 +216,13 @@ class _Server:
 
     def __init__(self, session: Session | None, opener: Callable[[], Session] | None, *, api_key: str | None,
                  max_waiting: int, max_body: int, model_name: str | None, max_bodies: int = MAX_BODIES,
-                 max_held_bytes: int | None = None) -> None:
+                 max_held_bytes: int | None = None, reuse_prompt: bool = True) -> None:
         self.session = session
         self._opener = opener
         self.api_key = api_key
         self.turns = Turns(max_waiting)
         self.max_body = max_body
+        self.reuse_prompt = reuse_prompt  # False: no request reuses the context's prompt (--no-prompt-reuse)
         self.bodies = Bodies(max_bodies, max_held_bytes or HELD_BODIES * max_body)
         self.metrics = ServerMetrics(lambda: self.turns.waiting, self._budget_bytes, lambda: self.bodies.count)
         self.model_name = model_name
@@ -246,23 +271,40 @@ class _Server:
         kw = {**request.engine_kwargs(), "model": self.model_name}
         if isinstance(request, CompletionRequest) and request.prompt in ("", [""]):
             raise _BadRequest(400, "the prompt is empty", "prompt")  # as bmoe run -p '' is refused
+        if request.json_schema is not None and request.response_format is not None:
+            raise _BadRequest(400, "give json_schema or response_format, not both", "json_schema")
+        to_context = request.n_predict == -1 and route == "completions"
+        if to_context:
+            kw["max_tokens"] = 1  # checked as the least, then the rest of the context
         try:
             if route == "chat":
                 assert isinstance(request, ChatRequest)
-                return prepare_chat_completion(session, request.messages, **kw)
-            assert isinstance(request, CompletionRequest)
-            return prepare_completion(session, request.prompt, **kw)
+                prepared = prepare_chat_completion(session, request.messages, **kw)
+            else:
+                assert isinstance(request, CompletionRequest)
+                prepared = prepare_completion(session, request.prompt, **kw)
         except ConfigError as exc:
-            bad = _BadRequest.of(exc)
-            if (bad.param == "max_tokens" and isinstance(request, ChatRequest) and request.max_tokens is None
-                    and request.max_completion_tokens is not None):
-                # The request's own name for the limit (the engine knows it as max_tokens).
-                bad.message = bad.message.replace("max_tokens", "max_completion_tokens")
-                bad.param = "max_completion_tokens"
-            raise bad from None
+            raise _own_names(_BadRequest.of(exc), request) from None
+        if to_context:
+            prepared = dataclasses.replace(prepared, max_tokens=session.n_ctx - len(prepared.tokens))
+        reuse = False if request.cache_prompt is False or not self.reuse_prompt else None
+        return dataclasses.replace(prepared, reuse_prompt=reuse) if reuse is not None else prepared
 
     def parse_and_prepare(self, route: str, schema: type[BaseModel], body: bytes | bytearray) -> Prepared:
         return self.prepare(route, _parse(body, schema))
+
+    def answer(self, fn: Callable[[Session, Any], dict[str, Any]], schema: type[BaseModel] | None,
+               body: bytes | bytearray | None) -> dict[str, Any]:
+        """``fn(session, request)`` for a route that asks the model something without generating
+        (llama-server's /tokenize, /detokenize, /props); on a worker thread. Raises _BadRequest."""
+        request = None if schema is None or body is None else _parse(body, schema)
+        session = self.session
+        if session is None or session.closed:
+            raise SessionClosedError("the model is not open")
+        try:
+            return fn(session, request)
+        except ConfigError as exc:
+            raise _BadRequest.of(exc) from None
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on a worker thread (a long prompt does not stall the stream of the
@@ -439,17 +481,19 @@ def create_app(
     session: Session | None = None, *, model: str | Path | None = None, config: RunConfig | None = None,
     api_key: str | None = None, max_waiting: int = 8, max_body: int = MAX_BODY_BYTES,
     model_name: str | None = None, on_ready: Callable[[Session], None] | None = None,
-    max_bodies: int = MAX_BODIES, max_held_bytes: int | None = None,
+    max_bodies: int = MAX_BODIES, max_held_bytes: int | None = None, reuse_prompt: bool = True,
 ) -> Starlette:
     """The ASGI application: around an open ``session`` (left open at shutdown), or opening
     ``model`` with ``config`` at startup (closed at shutdown). At most ``max_bodies`` requests are
     read and checked at once, their bodies ``max_held_bytes`` together (``HELD_BODIES`` bodies of
-    ``max_body`` bytes by default)."""
+    ``max_body`` bytes by default). ``reuse_prompt`` False: no request reuses the prompt the
+    context holds (a request's own ``cache_prompt: false`` does so for itself)."""
     if (session is None) == (model is None):
         raise ConfigError("give the server either an open session or a model path")
     opener = None if model is None else (lambda: Session.open(model, config))
     server = _Server(session, opener, api_key=api_key, max_waiting=max_waiting, max_body=max_body,
-                     model_name=model_name, max_bodies=max_bodies, max_held_bytes=max_held_bytes)
+                     model_name=model_name, max_bodies=max_bodies, max_held_bytes=max_held_bytes,
+                     reuse_prompt=reuse_prompt)
 
     @contextlib.contextmanager
     def holding() -> Iterator[Held]:
@@ -471,6 +515,28 @@ def create_app(
             server.metrics.requests.labels("unavailable").inc()
             return _error(503, str(exc), "server_error")
         return _Generation(server, prepared, arrived)
+
+    async def asking(request: Request, fn: Callable[[Session, Any], dict[str, Any]],
+                     schema: type[BaseModel] | None) -> Response:
+        try:
+            if schema is None:
+                return JSONResponse(await server.off_loop(server.answer, fn, None, None))
+            with holding() as held:
+                body = await _read_body(request, server.max_body, held)
+                return JSONResponse(await server.off_loop(server.answer, fn, schema, body))
+        except SessionClosedError as exc:
+            return _error(503, str(exc), "server_error")
+
+    async def tokenize(request: Request) -> Response:
+        return await asking(request, llama_routes.tokenize, llama_routes.TokenizeRequest)
+
+    async def detokenize(request: Request) -> Response:
+        return await asking(request, llama_routes.detokenize, llama_routes.DetokenizeRequest)
+
+    async def props(request: Request) -> Response:
+        return await asking(request, lambda s, _: llama_routes.props(s, model_name=server.model_name,
+                                                                     busy=server.turns.running,
+                                                                     reuse_prompt=server.reuse_prompt), None)
 
     async def chat(request: Request) -> Response:
         return await generation(request, "chat", ChatRequest)
@@ -559,6 +625,9 @@ def create_app(
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/models/{model:path}", one_model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
+            Route("/props", props, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
         ],
         exception_handlers={_BadRequest: bad_request, _Gone: gone, ClientDisconnect: gone, HTTPException: http_error,

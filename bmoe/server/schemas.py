@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI routes, validated by pydantic (strict types: ``"5"`` is not a number).
 
-Unknown fields are ignored, as OpenAI clients send many (``user``, ``stream_options``...); a known
-field of the wrong type is a 400, and null is the field's default wherever OpenAI allows null. The
+A field neither declared here nor in ``bmoe.server.fields``' lists is refused (400), as the OpenAI
+API refuses it; those lists say which fields are accepted and ignored. A known field of the wrong
+type is a 400, and null is the field's default wherever OpenAI allows null. The
 fields bmoe cannot honour (``functions``, ``echo``, ``suffix``, ``best_of`` > 1...) are declared here so
 that the engine refuses them by name instead of their being dropped unseen. ``tools`` are checked by
 the engine too (``bmoe.engine.tools``: a bad one is a 400 whose ``param`` is ``tools``). Semantic checks
@@ -47,11 +48,26 @@ class _Sampling(BaseModel):
     ignore_eos: bool | None = None
     repeat_last_n: int | None = None
     n_probs: int | None = None
+    # llama-server's names: n_predict is max_tokens (and wins over it, as there; -1: up to the
+    # context), json_schema is response_format's json_schema, cache_prompt false evaluates the
+    # prompt from its first token (the server's to apply: it is no argument of the engine's).
+    n_predict: int | None = None
+    json_schema: dict[str, Any] | None = None
+    cache_prompt: bool | None = None
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Arguments for ``bmoe.engine.completions.prepare_*`` (None left out: the engine's
         default). ``model`` is the server's to fill: a reply names the model it came from."""
-        return {k: v for k, v in self.model_dump().items() if k != "model" and v is not None}
+        kw = {k: v for k, v in self.model_dump().items()
+              if k not in ("model", "n_predict", "json_schema", "cache_prompt") and v is not None}
+        if self.n_predict is not None:
+            kw.pop("max_tokens", None)
+            kw.pop("max_completion_tokens", None)
+            if self.n_predict != -1:  # -1: the server fills in the rest of the context
+                kw["max_tokens"] = self.n_predict
+        if self.json_schema is not None:
+            kw["response_format"] = {"type": "json_schema", "json_schema": {"schema": self.json_schema}}
+        return kw
 
 
 class ChatRequest(_Sampling):
