@@ -236,8 +236,8 @@ def inspect_model(path: str | os.PathLike[str], *, ram_bytes: int | None = None,
     directory = Path(layout.shards[0]).resolve().parent
     rate = cached_probe(directory, first.stride, lanes) if probe else stored_rate(directory, first.stride, lanes)
     read_how = rate.how + (" (cached)" if not probe else "") if rate else (
-        f"prior: {READ_PRIOR_MIB_S:,.0f} MiB/s, not measured here (no stored probe of this device at "
-        f"{first.stride}-byte slices, {lanes} lanes; --probe measures it)")
+        f"prior, not measured here: no stored probe of this device at {first.stride}-byte slices, {lanes} lanes "
+        "(--probe measures it)")
     read_mib_s = rate.mib_s if rate else READ_PRIOR_MIB_S
     gbs = compute_gbs if compute_gbs is not None else COMPUTE_PRIOR_GBS
     compute_how = (f"given (--compute-gbs {gbs:g})" if compute_gbs is not None

@@ -59,6 +59,8 @@ SPECS = {
     "mellum": TinySpec(arch="mellum", wtype="q8_0", **W),  # sliding windows
     "arctic": TinySpec(arch="arctic", **W),  # a dense residual MLP beside the experts in every block
     "mistral4": TinySpec(arch="mistral4", wtype="f16", **W),  # deepseek2's MLA under another name
+    # Ling 3: KDA linear-attention blocks (recurrent) and a gated MLA block, a dense lead block.
+    "bailingmoe3": TinySpec(arch="bailingmoe3", wtype="q8_0", **W),
 }
 EVICTING = MiB  # the smallest budget RunConfig takes
 
@@ -111,6 +113,7 @@ EXPECTED_MOE_LAYERS = {
     "deepseek": (1, 2),
     "afmoe": (1, 2, 3),
     "mistral4": (1, 2),
+    "bailingmoe3": (1, 2),
 }
 
 
@@ -126,6 +129,7 @@ MTP_SPECS = {
     "qwen35moe": SPECS["qwen35moe"],
     "bailingmoe2": dataclasses.replace(SPECS["bailingmoe2"], n_nextn=1),
     "deepseek2": dataclasses.replace(SPECS["deepseek2"], n_nextn=1),
+    "bailingmoe3": dataclasses.replace(SPECS["bailingmoe3"], n_nextn=1),
 }
 
 

@@ -100,6 +100,12 @@ FAULTS = [
     ("mla-kv-heads-deleted-mistral4", TinySpec(arch="mistral4"), drop("mistral4.attention.head_count_kv"),
      "head_count_kv must be 1 with latent attention"),
     ("arctic-width-deleted", TinySpec(arch="arctic"), drop("arctic.feed_forward_length"), "feed_forward_length"),
+    ("ling3-gate-bound-positive", TinySpec(arch="bailingmoe3"),
+     set_value("bailingmoe3.kda.gate_lower_bound", 1.0, GGUFValueType.FLOAT32), "gate_lower_bound is 1.0"),
+    ("ling3-safe-gate-false", TinySpec(arch="bailingmoe3"),
+     set_value("bailingmoe3.kda.safe_gate", False, GGUFValueType.BOOL), "safe_gate is False"),
+    ("ling3-conv-kernel-zero", TinySpec(arch="bailingmoe3"), set_u32("bailingmoe3.ssm.conv_kernel", 0),
+     "ssm.conv_kernel' is 0"),
     ("granite-logit-scale-zero", TinySpec(arch="granitemoe"),
      set_value("granitemoe.logit_scale", 0.0, GGUFValueType.FLOAT32), "logit_scale' is 0.0, not a positive"),
     ("gating-absent", TinySpec(arch="minimax-m2"), drop("minimax-m2.expert_gating_func"), "expert_gating_func"),
@@ -196,7 +202,7 @@ def test_without_validation_the_same_fault_kills_the_process(tmp_path: Path) -> 
 # only on the user open bmoe's streamed run takes, which creates tensors from the keys alone (the
 # loader's ne[dim] >= 1 assert; a plain load of the same file fails cleanly instead).
 _LOAD_ERROR_IN_PLAIN = ("dense-ffn-width-deleted", "shared-count-zero", "l-cache-zero", "shared-count-zero-bailingmoe",
-                        "shared-count-zero-deepseek")
+                        "shared-count-zero-deepseek", "ling3-conv-kernel-zero")
 _NO_CONTROL = ("granite-logit-scale-zero", "arctic-width-deleted")  # NaN logits / a clean load error, no abort
 _FIRST_OLD = [f[0] for f in FAULTS].index("gating-absent")  # those before it came with issues 39 and 37
 ISSUE_39_FAULTS = [(f, "load error" if f[0] in _LOAD_ERROR_IN_PLAIN else "abort") for f in FAULTS[:_FIRST_OLD]

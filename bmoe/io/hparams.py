@@ -223,7 +223,8 @@ def _check_mla(keys: _Keys, layout: ModelLayout, n_embd: int | None, n_head: Seq
                              "(llama.cpp asserts a non-rope part of at least 1)")
     if not is_mla:
         return
-    if any(kv != 1 for kv in n_head_kv):
+    recurrent_zero = RECIPES[keys.arch].recurrent_marker == "kv_heads"  # 0 KV heads mark a recurrent block
+    if any(kv != 1 and not (recurrent_zero and kv == 0) for kv in n_head_kv):
         raise ModelFileError(f"{path}: {n('attention.head_count_kv')} must be 1 with latent attention "
                              f"({n('attention.key_length_mla')} set); it is {n_head_kv[0]}")
     if k != kv_rank + rot or v != kv_rank:  # type: ignore[operator]

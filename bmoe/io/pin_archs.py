@@ -30,7 +30,6 @@ LEFT_OUT: dict[str, str] = {
     # What bmoe's seam cannot take as it stands.
     "grovemoe": "two top-k nodes per layer and a second, adjugate expert set (chexps) routed by them",
     "deepseek4": "hash-routed layers (top-k from the token id, a GET_ROWS), hyper-connections, compressed attention",
-    "bailingmoe3": "KDA linear attention + MLA hybrid with its own gate bounds",
     "nemotron_h_moe": "per-layer expert counts and widths (arrays), experts in a latent space",
     "kimi-k3": "experts in a latent space and more than 1024 of them",
     # Not models bmoe generates text with.

@@ -86,6 +86,9 @@ class Recipe:
     # What sizes a dense FFN block (``blk.N.ffn_up``): the key, or ``embedding_length`` where the
     # block is n_embd wide whatever feed_forward_length says (arctic's residual MLP).
     dense_width_key: str = FFN_WIDTH
+    # Kimi delta attention (bailingmoe3): the loader asserts kda.safe_gate true and
+    # kda.gate_lower_bound below 0 (aborts, not load errors).
+    kda: bool = False
 
     @property
     def expert_suffixes(self) -> tuple[str, ...]:
@@ -197,6 +200,14 @@ RECIPES: dict[str, Recipe] = {
         # deepseek2's loader and graph under another name.
         Recipe("mistral4", (SPLIT, FUSED), _keys(EXPERT_WIDTH, "expert_shared_count", "attention.kv_lora_rank"),
                user_open_fuses=True, mla=True, positive_keys=("expert_shared_count",)),
+        # Ling 3: KDA linear-attention blocks (0 KV heads) and gated MLA blocks, leading dense blocks,
+        # shared experts, selection bias; MTP ignored.
+        Recipe("bailingmoe3", required_keys=_keys(
+            EXPERT_WIDTH, "expert_shared_count", "expert_gating_func", "leading_dense_block_count",
+            "attention.kv_lora_rank", "attention.key_length_mla", "attention.value_length_mla", "ssm.conv_kernel",
+            "kda.head_dim", "kda.gate_lower_bound"),
+               recurrent=True, recurrent_marker="kv_heads", gating_required=True, mla=True, kda=True,
+               positive_keys=("ssm.conv_kernel", "kda.head_dim")),
         # Its graph always builds a sliding-window input: no window (absent or 0) is a segfault.
         Recipe("afmoe", required_keys=_keys(EXPERT_WIDTH, "expert_shared_count", "attention.sliding_window"),
                plain_attention=True, positive_keys=("attention.sliding_window",)),

@@ -169,12 +169,25 @@ def _check_aborting_metadata(first: ShardIndex, recipe: Recipe) -> None:
     step = _int_key(first, key("interleave_moe_layer_step"))
     if recipe.moe_step_positive and step == 0:
         raise ModelFileError(f"{path}: {key('interleave_moe_layer_step')} is 0; llama.cpp aborts unless it is positive")
+    if recipe.kda:
+        _check_kda_gate(first, recipe)
     if n_layer is not None and recipe.recurrent_marker:
         _check_some_block_attends(first, recipe, n_layer - (nextn or 0))
     sections = first.arrays.get(key("rope.dimension_sections"))
     if recipe.rope_sections and key("rope.dimension_sections") in first.keys:
         if sections is None or not any(sections[:3]):
             raise ModelFileError(f"{path}: {key('rope.dimension_sections')} is {sections!r}: all-zero sections abort the first decode")
+
+
+def _check_kda_gate(first: ShardIndex, recipe: Recipe) -> None:
+    """Kimi delta attention's gate: the loader asserts safe_gate and a lower bound below 0."""
+    bound_key, safe_key = recipe.key("kda.gate_lower_bound"), recipe.key("kda.safe_gate")
+    bound = first.metadata.get(bound_key)
+    if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int | float) or not bound < 0):
+        raise ModelFileError(f"{first.path}: {bound_key} is {bound!r}; llama.cpp aborts unless it is below 0")
+    if safe_key in first.keys and first.metadata.get(safe_key) is not True:
+        raise ModelFileError(f"{first.path}: {safe_key} is {first.metadata.get(safe_key)!r}; llama.cpp aborts "
+                             "unless it is true")
 
 
 # Per-layer arrays (llama.cpp's get_key_or_arr): a short one is taken as is, the layers past its

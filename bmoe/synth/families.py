@@ -705,6 +705,73 @@ def _mistral4_keys(w: GGUFWriter, b: _Builder) -> None:
     _deepseek2_keys(w, b, "mistral4")
 
 
+# --- bailingmoe3 (Ling 3): KDA linear attention + gated MLA, leading dense blocks ---------------------
+
+# KDA head width, conv kernel, the gate's lower bound; MLA widths as deepseek2's (no query rank).
+_LING3 = (("kda_head", 64), ("kda_conv", 4), ("gate_bound", -5.0), ("kv_rank", 64), ("nope", 32), ("rope", 16),
+          ("v", 32), ("n_shared", 1), ("groups", (2, 1)))
+
+
+def _ling3_attends(b: _Builder, il: int) -> bool:
+    return il == b.spec.n_layer - 1 or _is_mtp(b, il)  # the last main block (and MTP) MLA, the rest KDA
+
+
+def _ling3_layer(b: _Builder, il: int) -> None:
+    p, E, H, x = f"blk.{il}.", b.E, b.n_head, b.x
+    b.ones(p + "attn_norm.weight", E)
+    if not _ling3_attends(b, il):
+        hd, kc = x["kda_head"], x["kda_conv"]
+        inner = H * hd
+        for part in ("q", "k", "v"):
+            b.f32(p + f"ssm_conv1d_{part}.weight", (1, inner, 1, kc), kc ** -0.5)
+            b.mat(p + f"attn_{part}.weight", (inner, E), E ** -0.5)
+        b.mat(p + "ssm_f_a.weight", (inner, E), E ** -0.5)
+        b.mat(p + "ssm_beta.weight", (H, E), E ** -0.5)
+        b.f32(p + "ssm_a", (H, 1), 1.0)
+        b.f32(p + "ssm_dt.bias", (inner,), SMALL_STD)
+        b.mat(p + "ssm_g_a.weight", (inner, E), E ** -0.5)
+        b.ones(p + "ssm_norm.weight", hd)
+        b.mat(p + "attn_output.weight", (E, inner), inner ** -0.5)
+    else:
+        kv_rank, nope, rope, v = x["kv_rank"], x["nope"], x["rope"], x["v"]
+        b.mat(p + "attn_q.weight", (H * (nope + rope), E), E ** -0.5)
+        b.mat(p + "attn_kv_a_mqa.weight", (kv_rank + rope, E), E ** -0.5)
+        b.ones(p + "attn_kv_a_norm.weight", kv_rank)
+        b.mat(p + "attn_k_b.weight", (H, kv_rank, nope), nope ** -0.5)
+        b.mat(p + "attn_v_b.weight", (H, v, kv_rank), kv_rank ** -0.5)
+        b.mat(p + "attn_gate.weight", (H, E), E ** -0.5)
+        b.mat(p + "attn_output.weight", (E, H * v), (H * v) ** -0.5)
+    b.ones(p + "ffn_norm.weight", E)
+    _lead_or_moe_ffn(b, p, il, b.F * x["n_shared"])
+    if _is_mtp(b, il):
+        _nextn(b, p)
+        b.ones(p + "layer_output_norm.weight", E)
+
+
+def _ling3_keys(w: GGUFWriter, b: _Builder) -> None:
+    a, x = "bailingmoe3", b.x
+    w.add_uint32(f"{a}.feed_forward_length", b.F_dense)
+    w.add_uint32(f"{a}.attention.kv_lora_rank", x["kv_rank"])
+    w.add_uint32(f"{a}.attention.key_length_mla", x["nope"] + x["rope"])
+    w.add_uint32(f"{a}.attention.value_length_mla", x["v"])
+    w.add_uint32(f"{a}.ssm.conv_kernel", x["kda_conv"])
+    w.add_uint32(f"{a}.kda.head_dim", x["kda_head"])
+    w.add_bool(f"{a}.kda.safe_gate", True)
+    w.add_float32(f"{a}.kda.gate_lower_bound", x["gate_bound"])
+    w.add_uint32(f"{a}.expert_shared_count", x["n_shared"])
+    w.add_uint32(f"{a}.leading_dense_block_count", b.dense_lead)
+    _groups(w, a, b)
+    _gating(w, a)
+
+
+def _ling3_overrides(b: _Builder) -> dict[str, Any]:
+    # MLA blocks keep one KV head of kv_rank + rope; KDA blocks none (0 marks a recurrent block).
+    x = b.x
+    heads = [1 if _ling3_attends(b, il) else 0 for il in range(b.spec.n_layer + b.spec.n_nextn)]
+    return {"n_head_kv": heads, "key_length": x["kv_rank"] + x["rope"], "value_length": x["kv_rank"],
+            "rope_dims": x["rope"]}
+
+
 FAMILIES: dict[str, Family] = {
     f.arch: f
     for f in (
@@ -743,6 +810,8 @@ FAMILIES: dict[str, Family] = {
         # deepseek2's loader and graph under another name (Mistral's MLA MoE).
         Family("mistral4", _deepseek2_layer, _mistral4_keys, min_layers=2, default_layers=3,
                overrides=_deepseek2_overrides, fuses_gate_up=True, extra=_DS_MLA),
+        Family("bailingmoe3", _ling3_layer, _ling3_keys, min_layers=2, default_layers=3, overrides=_ling3_overrides,
+               mtp=True, extra=_LING3),
         Family("afmoe", _afmoe_layer, _afmoe_keys, min_layers=2, default_layers=4,
                extra=(("n_shared", 1), ("sliding_window", 128))),
     )
