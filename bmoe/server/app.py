@@ -1,9 +1,13 @@
 """The routes: OpenAI's chat and text completions (JSON or server-sent events), models, health and
-Prometheus metrics, over one Session on the server's own event loop.
+Prometheus metrics; llama-server's /tokenize, /detokenize and /props (``bmoe.server.llama_routes``);
+/stats and the chat page at / (``bmoe.server.stats``, ``webui.html``); over one Session on the
+server's own event loop.
 
-A generation request goes: body read within a size limit, validated and prepared by the engine
-(``bmoe.engine.completions.prepare_*``: every value checked, the prompt rendered and tokenized, its
-length checked against the context; 400 in OpenAI's error shape otherwise), admitted to the wait
+A generation request goes: body read within a size limit and within the server's bound on the
+bodies it holds at once (``bmoe.server.bodies``; 503 past it), then on a worker thread, never on
+the loop, parsed, validated and prepared by the engine (``bmoe.engine.completions.prepare_*``:
+every value checked, the prompt rendered and tokenized, its length checked against the context;
+400 in OpenAI's error shape otherwise), admitted to the wait
 list (503 with Retry-After when full), waits its turn (FIFO), then ``run`` answers it. A bad request
 is refused as it arrives, never after waiting behind another generation. Nothing is sent before
 the engine has accepted the request, so a grammar llama.cpp cannot parse is still a 400 when
@@ -30,7 +34,8 @@ import logging
 import math
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from importlib import resources
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -39,9 +44,11 @@ from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from bmoe.engine.completions import (
     ContextOverflow,
@@ -59,6 +66,7 @@ from bmoe.server import llama_routes
 from bmoe.server.bodies import Bodies, BodiesFull, Held
 from bmoe.server.fields import FieldError, check_fields
 from bmoe.server.metrics import ServerMetrics
+from bmoe.server.stats import snapshot
 from bmoe.server.schemas import ChatRequest, CompletionRequest
 from bmoe.server.turns import QueueFull, Turns
 
@@ -166,7 +174,7 @@ def _parse(body: bytes | bytearray, schema: type[BaseModel]) -> Any:
     try:
         check_fields(value, schema.model_fields.keys())
     except FieldError as exc:
-        raise _BadRequest(400, str(exc), exc.param, "unknown_parameter" if "Unrecognized" in str(exc) else None) from None
+        raise _BadRequest(400, str(exc), exc.param, exc.code) from None
     try:
         return schema.model_validate(value)
     except ValidationError as exc:
@@ -482,12 +490,15 @@ def create_app(
     api_key: str | None = None, max_waiting: int = 8, max_body: int = MAX_BODY_BYTES,
     model_name: str | None = None, on_ready: Callable[[Session], None] | None = None,
     max_bodies: int = MAX_BODIES, max_held_bytes: int | None = None, reuse_prompt: bool = True,
+    webui: bool = True, cors_origins: Sequence[str] = (),
 ) -> Starlette:
     """The ASGI application: around an open ``session`` (left open at shutdown), or opening
     ``model`` with ``config`` at startup (closed at shutdown). At most ``max_bodies`` requests are
     read and checked at once, their bodies ``max_held_bytes`` together (``HELD_BODIES`` bodies of
     ``max_body`` bytes by default). ``reuse_prompt`` False: no request reuses the prompt the
-    context holds (a request's own ``cache_prompt: false`` does so for itself)."""
+    context holds (a request's own ``cache_prompt: false`` does so for itself). ``webui``: the chat
+    page at ``/`` (a JSON 404 there without it). ``cors_origins``: the origins a browser may call
+    the server from (``*``: any)."""
     if (session is None) == (model is None):
         raise ConfigError("give the server either an open session or a model path")
     opener = None if model is None else (lambda: Session.open(model, config))
@@ -618,6 +629,22 @@ def create_app(
         log.error("request failed: %r", exc)
         return _error(500, "internal error", "server_error")
 
+    middleware = []
+    if cors_origins:  # outermost: a preflight is answered before the key is asked for
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"],
+                                     allow_headers=["*"], max_age=600))
+    if api_key is not None:
+        middleware.append(Middleware(_KeyGuard, key=api_key))
+    page_html = (resources.files("bmoe.server") / "webui.html").read_bytes() if webui else b""
+
+    async def page(_: Request) -> Response:
+        return HTMLResponse(page_html, headers={"cache-control": "no-cache"})
+
+    async def stats(_: Request) -> Response:
+        return JSONResponse(snapshot(server.session, model=server.model_name, generating=server.turns.running,
+                                     waiting=server.turns.waiting, life_hit_pct=server.metrics.life_hit_pct,
+                                     tokens=server.metrics.tokens_total))
+
     app = Starlette(
         routes=[
             Route("/v1/chat/completions", chat, methods=["POST"]),
@@ -629,31 +656,35 @@ def create_app(
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/props", props, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
+            Route("/stats", stats, methods=["GET"]),
+            *([Route("/", page, methods=["GET"])] if webui else []),
         ],
+        middleware=middleware,
         exception_handlers={_BadRequest: bad_request, _Gone: gone, ClientDisconnect: gone, HTTPException: http_error,
                             Exception: crash},
         lifespan=lifespan,
     )
     app.router.redirect_slashes = False  # "/v1/completions/" is a 404 in the OpenAI shape, not a bare 307
     app.state.bmoe = server
-    if api_key is not None:
-        return _with_api_key(app, api_key)
     return app
 
 
-def _with_api_key(app: Starlette, key: str) -> Any:
-    """Every route but /health requires ``Authorization: Bearer <key>`` (401 otherwise); the
-    scheme's name is case-insensitive (RFC 9110), the key is not."""
-    expected = key.encode()
+class _KeyGuard:
+    """Every route but /health and the page at / requires ``Authorization: Bearer <key>`` (401
+    otherwise; the page holds no data and asks for the key itself); the scheme's name is
+    case-insensitive (RFC 9110), the key is not. Inside the CORS middleware, so a browser's
+    preflight (which carries no key) is answered."""
 
-    async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope.get("path") != "/health":
+    OPEN = frozenset({"/health", "/"})
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app, self.expected = app, key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("path") not in self.OPEN:
             scheme, _, given = dict(scope.get("headers") or ()).get(b"authorization", b"").partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(b" "), expected):
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(b" "), self.expected):
                 await _error(401, "a valid API key is required (Authorization: Bearer KEY)",
                              code="invalid_api_key")(scope, receive, send)
                 return
-        await app(scope, receive, send)
-
-    guarded.state = app.state  # type: ignore[attr-defined]
-    return guarded
+        await self.app(scope, receive, send)

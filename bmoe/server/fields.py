@@ -37,9 +37,9 @@ OFF_ONLY: dict[str, Any] = {
 
 
 class FieldError(Exception):
-    def __init__(self, message: str, param: str) -> None:
+    def __init__(self, message: str, param: str, code: str | None = None) -> None:
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
 
 def check_fields(body: Mapping[str, Any], declared: frozenset[str] | set[str]) -> None:
@@ -54,4 +54,4 @@ def check_fields(body: Mapping[str, Any], declared: frozenset[str] | set[str]) -
                 continue
             raise FieldError(f"{name} is not supported (only {off}, which leaves it off)", name)
         shown = name if len(name) <= 80 else name[:80] + "..."
-        raise FieldError(f"Unrecognized request argument supplied: {shown}", shown)
+        raise FieldError(f"Unrecognized request argument supplied: {shown}", shown, "unknown_parameter")

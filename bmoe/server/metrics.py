@@ -68,10 +68,12 @@ class ServerMetrics:
         self.tok_per_s.set(math.nan)
         self.hit_pct.set(math.nan)
         self._hits = self._used = 0
+        self.tokens_total = 0  # generated over the server's life (what /stats shows)
 
     def record(self, stats: Any, usage: Any) -> None:
         """One finished (or cancelled) generation: its GenerationStats and Usage."""
         if usage is not None:
+            self.tokens_total += usage.completion_tokens
             self.generated.inc(usage.completion_tokens)
             self.prompt.inc(usage.prompt_tokens)
             self.reused.inc(usage.prompt_reused)
@@ -91,6 +93,10 @@ class ServerMetrics:
             self._hits += stats.cache_hits
             self._used += stats.experts_routed
             self.hit_pct.set(100.0 * self._hits / self._used if self._used else math.nan)
+
+    @property
+    def life_hit_pct(self) -> float | None:
+        return 100.0 * self._hits / self._used if self._used else None
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

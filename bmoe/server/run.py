@@ -87,7 +87,8 @@ class Server(uvicorn.Server):
 
 def serve(model: str | Path, config: RunConfig, *, host: str = "127.0.0.1", port: int = 8080,
           api_key: str | None = None, max_waiting: int = 8, max_body: int | None = None,
-          quiet: bool = False) -> int | None:
+          quiet: bool = False, reuse_prompt: bool = True, webui: bool = True,
+          cors_origins: tuple[str, ...] = ()) -> int | None:
     """Serve until a stop signal; returns that signal's number (None if the server ended by
     itself), after the session is closed and its sinks (a route trace) are written out."""
     sock = bind(host, port)
@@ -103,11 +104,13 @@ def serve(model: str | Path, config: RunConfig, *, host: str = "127.0.0.1", port
             print(f"bmoe: warning: {warning}", file=sys.stderr)
         if not quiet:
             where = f"[{host}]" if ":" in host else host
-            print(f"bmoe serve: {session.model_name} on http://{where}:{bound}/v1"
+            page = f", chat page http://{where}:{bound}/," if webui else ""
+            print(f"bmoe serve: {session.model_name}{page} on http://{where}:{bound}/v1"
                   f"{' (API key required)' if api_key else ''}", file=sys.stderr, flush=True)
 
     kw = {} if max_body is None else {"max_body": max_body}
-    app = create_app(session, api_key=api_key, max_waiting=max_waiting, on_ready=ready, **kw)
+    app = create_app(session, api_key=api_key, max_waiting=max_waiting, on_ready=ready, reuse_prompt=reuse_prompt,
+                     webui=webui, cors_origins=cors_origins, **kw)
     try:
         import uvloop  # noqa: F401
 

@@ -1,0 +1,68 @@
+"""The small things a server user trips on (issue 38 item 7): the API key printed by --help, empty
+``content`` pieces on a thinking template, a cancel's finish reason, and /metrics' histograms
+without duplicate ``_created`` lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from bmoe.server.app import _as_openai
+from tests.test_server import GUARD_S, served  # noqa: F401 - the module's server
+from tests.test_server_requests import post
+
+
+@pytest.mark.pure
+def test_serve_help_never_shows_the_api_key() -> None:
+    env = {**os.environ, "BMOE_API_KEY": "sekrit-4242"}
+    r = subprocess.run([sys.executable, "-m", "bmoe.cli", "serve", "--help"], capture_output=True, text=True,
+                       env=env, timeout=GUARD_S)
+    assert r.returncode == 0 and "--api-key" in r.stdout, r.stderr
+    assert "sekrit-4242" not in r.stdout + r.stderr
+    assert "--no-webui" in r.stdout and "--cors-origin" in r.stdout and "--no-prompt-reuse" in r.stdout
+
+
+@pytest.mark.pure
+def test_a_cancelled_finish_is_one_of_openais_and_an_empty_content_piece_is_dropped() -> None:
+    def chunk(delta: dict, finish: str | None = None, lp: object = None) -> dict:
+        return {"choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
+
+    assert _as_openai(chunk({}, "cancelled"))["choices"][0]["finish_reason"] == "length"
+    assert _as_openai({"choices": [{"text": "", "finish_reason": "cancelled"}]})["choices"][0]["finish_reason"] == "length"
+    assert _as_openai(chunk({"content": ""})) is None
+    kept = [chunk({"role": "assistant", "content": ""}), chunk({"content": "x"}), chunk({"content": ""}, "stop"),
+            chunk({"content": ""}, lp={"content": [{"token": "<"}]}), {"choices": [], "usage": {}}]
+    assert all(_as_openai(c) is c for c in kept)
+
+
+def test_a_stream_on_a_thinking_reply_sends_no_empty_content_pieces(served) -> None:  # noqa: F811
+    url, _ = served
+    body = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 30, "temperature": 0.9,
+            "seed": 4, "stream": True, "grammar": 'root ::= "<think>" [a-z]{2,6} "</think>" [a-z]{1,4}',
+            "chat_template_kwargs": {"enable_thinking": True}}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=GUARD_S) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert any("reasoning_content" in d for d in deltas) and any(d.get("content") for d in deltas)
+    assert {"content": ""} not in deltas[1:], deltas
+
+
+def test_metrics_have_latency_histograms_and_no_created_lines(served) -> None:  # noqa: F811
+    url, _ = served
+    assert post(url, "/v1/completions", {"prompt": "Once", "max_tokens": 2}).status_code == 200
+    with httpx.stream("POST", f"{url}/v1/completions", json={"prompt": "Once", "max_tokens": 2, "stream": True},
+                      timeout=GUARD_S) as r:
+        list(r.iter_lines())
+    text = httpx.get(f"{url}/metrics", timeout=GUARD_S).text
+    assert "_created" not in text
+    counts = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+              if line.endswith(tuple("0123456789")) and "_count" in line}
+    for name in ("bmoe_request_seconds", "bmoe_first_token_seconds", "bmoe_prompt_eval_seconds"):
+        assert counts.get(f"{name}_count", 0) >= 2, (name, counts)
+        assert f'{name}_bucket{{le="+Inf"}}' in text
