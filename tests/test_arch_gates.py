@@ -61,6 +61,10 @@ SPECS = {
     "mistral4": TinySpec(arch="mistral4", wtype="f16", **W),  # deepseek2's MLA under another name
     # Ling 3: KDA linear-attention blocks (recurrent) and a gated MLA block, a dense lead block.
     "bailingmoe3": TinySpec(arch="bailingmoe3", wtype="q8_0", **W),
+    "kimi-linear": TinySpec(arch="kimi-linear", wtype="f16", **W),  # KDA with low-rank gates + MLA
+    "cohere2moe": TinySpec(arch="cohere2moe", wtype="q8_0", fuse_gate_up=True, **W),  # parallel blocks, windows
+    "maple": TinySpec(arch="maple", wtype="f16", **W),  # sliding windows by pattern, clamped SwiGLU
+    "deepseek32": TinySpec(arch="deepseek32", wtype="q8_0", **W),  # MLA + the sparse-attention indexer
 }
 EVICTING = MiB  # the smallest budget RunConfig takes
 
@@ -114,6 +118,9 @@ EXPECTED_MOE_LAYERS = {
     "afmoe": (1, 2, 3),
     "mistral4": (1, 2),
     "bailingmoe3": (1, 2),
+    "kimi-linear": (1, 2),
+    "cohere2moe": (1, 2, 3),
+    "deepseek32": (1, 2),
 }
 
 

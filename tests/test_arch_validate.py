@@ -104,6 +104,10 @@ FAULTS = [
      set_value("bailingmoe3.kda.gate_lower_bound", 1.0, GGUFValueType.FLOAT32), "gate_lower_bound is 1.0"),
     ("ling3-safe-gate-false", TinySpec(arch="bailingmoe3"),
      set_value("bailingmoe3.kda.safe_gate", False, GGUFValueType.BOOL), "safe_gate is False"),
+    ("kimi-linear-gating-none", TinySpec(arch="kimi-linear"), set_u32("kimi-linear.expert_gating_func", 0),
+     "expert_gating_func is 0"),
+    ("dsa-indexer-head-32", TinySpec(arch="deepseek32"), set_u32("deepseek32.attention.indexer.key_length", 32),
+     "indexer.key_length is 32"),
     ("ling3-conv-kernel-zero", TinySpec(arch="bailingmoe3"), set_u32("bailingmoe3.ssm.conv_kernel", 0),
      "ssm.conv_kernel' is 0"),
     ("granite-logit-scale-zero", TinySpec(arch="granitemoe"),
@@ -202,7 +206,7 @@ def test_without_validation_the_same_fault_kills_the_process(tmp_path: Path) -> 
 # only on the user open bmoe's streamed run takes, which creates tensors from the keys alone (the
 # loader's ne[dim] >= 1 assert; a plain load of the same file fails cleanly instead).
 _LOAD_ERROR_IN_PLAIN = ("dense-ffn-width-deleted", "shared-count-zero", "l-cache-zero", "shared-count-zero-bailingmoe",
-                        "shared-count-zero-deepseek", "ling3-conv-kernel-zero")
+                        "shared-count-zero-deepseek", "ling3-conv-kernel-zero", "dsa-indexer-head-32")
 _NO_CONTROL = ("granite-logit-scale-zero", "arctic-width-deleted")  # NaN logits / a clean load error, no abort
 _FIRST_OLD = [f[0] for f in FAULTS].index("gating-absent")  # those before it came with issues 39 and 37
 ISSUE_39_FAULTS = [(f, "load error" if f[0] in _LOAD_ERROR_IN_PLAIN else "abort") for f in FAULTS[:_FIRST_OLD]
@@ -222,3 +226,23 @@ def test_each_issue_39_fault_breaks_plain_llama_cpp(tmp_path: Path, spec: TinySp
         assert done.returncode < 0, f"status {done.returncode}: llama.cpp no longer aborts here?\n{done.stderr[-400:]}"
     else:
         assert done.returncode == 1 and "Failed to load model" in done.stderr, done.stderr[-400:]
+
+
+def test_an_indexer_head_not_a_multiple_of_64_is_refused_where_llama_cpp_aborts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """deepseek32's indexer keys get a Hadamard rotation of at least 64 x 64: a file whose indexer
+    head is 32 wide throughout (keys and tensors agreeing) loads, then aborts at the first decode."""
+    import dataclasses
+
+    from bmoe.synth.families import FAMILIES
+
+    family = FAMILIES["deepseek32"]
+    extra = tuple((k, 32 if k == "ix_head" else v) for k, v in family.extra)
+    monkeypatch.setitem(FAMILIES, "deepseek32", dataclasses.replace(family, extra=extra))
+    (path,) = write_tiny(tmp_path / "bad.gguf", TinySpec(arch="deepseek32"))
+    done = cli("run", "-m", str(path), "-p", "hello", "-n", "2")
+    assert done.returncode == 1 and "indexer.key_length is 32" in done.stderr, done.stderr
+    code = ("import llama_cpp, sys; llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, verbose=False); "
+            "llm('hello', max_tokens=2)")
+    plain = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    assert plain.returncode < 0, f"status {plain.returncode}: llama.cpp no longer aborts here?"

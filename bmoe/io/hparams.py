@@ -140,6 +140,7 @@ def check_hparams(first: ShardIndex, layout: ModelLayout) -> None:
         _check_mla(keys, layout, n_embd, n_head, n_head_kv)
     if recipe is not None and recipe.gated_delta_net:
         _check_gated_delta_net(keys)
+    _check_indexer(keys, heads)
     _check_layers(first, layout, n_layer)
     n_vocab = _check_vocab(first)
     _check_shapes(layout, n_embd, n_vocab, n_head, n_head_kv, heads, n_ff_exp)
@@ -190,10 +191,11 @@ def _check_dense_ffn(keys: _Keys, layout: ModelLayout, n_ff: Sequence[int | None
 
 
 def _check_positive(keys: _Keys) -> None:
-    """The recipe's keys whose 0 sizes a tensor the loader always creates to 0 (an abort)."""
+    """The recipe's keys whose 0 sizes a tensor the loader always creates to 0 (an abort), each
+    also at most MAX_SIZE (kda.head_dim = 2^32 - 1 overflowed a tensor's element count)."""
     recipe = RECIPES.get(keys.arch)
     for key in recipe.positive_keys if recipe is not None else ():
-        if keys.has(key) and keys.int(key, 1) is None:
+        if keys.has(key) and keys.int(key, 1, MAX_SIZE) is None:  # a huge one overflows ggml's sizes
             raise ModelFileError(f"{keys.path}: metadata key {keys.name(key)!r} is an array, llama.cpp reads one value")
 
 
@@ -235,6 +237,21 @@ def _check_mla(keys: _Keys, layout: ModelLayout, n_embd: int | None, n_head: Seq
     if span is not None and span.ne[1:2] != (kv_rank + rot,):  # type: ignore[operator]
         raise ModelFileError(f"{path}: attn_kv_a_mqa is {list(span.ne)}, the metadata says kv_lora_rank + rope "
                              f"= {kv_rank + rot}")  # type: ignore[operator]
+
+
+def _check_indexer(keys: _Keys, heads: _HeadSizes | None) -> None:
+    """A sparse-attention indexer's head (deepseek32): its keys get a Hadamard rotation of 64 x 64
+    or larger, so a head that is not a multiple of 64 fails a matmul assert at the first decode,
+    and the graph asserts the rope fits in it."""
+    if not keys.has("attention.indexer.key_length"):
+        return
+    width = keys.int("attention.indexer.key_length", 1, MAX_SIZE)
+    if width is not None and width % 64:
+        raise ModelFileError(f"{keys.path}: {keys.name('attention.indexer.key_length')} is {width}; llama.cpp needs "
+                             "a multiple of 64 (its Hadamard rotation)")
+    if width is not None and heads is not None and heads.rot > width:
+        raise ModelFileError(f"{keys.path}: {keys.name('rope.dimension_count')} {heads.rot} is wider than the "
+                             f"indexer head {width}")
 
 
 def _check_gated_delta_net(keys: _Keys) -> None:

@@ -46,8 +46,8 @@ LEFT_OUT: dict[str, str] = {
     "granite": "dense; its MoE files are granitemoe",
     "nemotron_h": "dense; its MoE files are nemotron_h_moe",
     **{arch: _NOT_YET for arch in (
-        "cohere2moe", "deepseek2-ocr", "deepseek32", "dots3note", "exaone-moe", "glm-dsa", "glm5-next",
-        "granite_swa", "granitehybrid", "hy_v3", "hy_v4", "jamba", "kimi-linear", "laguna", "maple", "mimo2",
+        "deepseek2-ocr", "dots3note", "exaone-moe", "glm-dsa", "glm5-next",
+        "granite_swa", "granitehybrid", "hy_v3", "hy_v4", "jamba", "laguna", "mimo2",
         "minimax-01", "minimax-m3", "qwen4exp", "step35",
     )},
 }

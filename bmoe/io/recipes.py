@@ -208,6 +208,29 @@ RECIPES: dict[str, Recipe] = {
             "kda.head_dim", "kda.gate_lower_bound"),
                recurrent=True, recurrent_marker="kv_heads", gating_required=True, mla=True, kda=True,
                positive_keys=("ssm.conv_kernel", "kda.head_dim")),
+        # Kimi-Linear: KDA blocks with low-rank gates (0 KV heads) and MLA blocks, dense lead blocks.
+        Recipe("kimi-linear", required_keys=_keys(
+            EXPERT_WIDTH, "expert_shared_count", "expert_gating_func", "attention.kv_lora_rank",
+            "attention.key_length_mla", "attention.value_length_mla", "ssm.conv_kernel", "kda.head_dim"),
+               recurrent=True, recurrent_marker="kv_heads", gating_required=True, mla=True,
+               positive_keys=("ssm.conv_kernel", "kda.head_dim")),
+        # Cohere MoE: attention and FFN in parallel off one norm, sliding windows always (3 of 4
+        # blocks), fused or split gate/up (the user open fuses), logit_scale required.
+        Recipe("cohere2moe", (SPLIT, FUSED), _keys(EXPERT_WIDTH, "attention.sliding_window", "logit_scale",
+                                                   "leading_dense_block_count"),
+               user_open_fuses=True, full_rope=True, plain_attention=True),
+        # Maple: qwen3moe's block with sliding windows by a per-block pattern, clamped SwiGLU experts.
+        Recipe("maple", required_keys=_keys(EXPERT_WIDTH, "attention.sliding_window", "attention.sliding_window_pattern",
+                                            "swiglu_clamp_exp"),
+               plain_attention=True),
+        # DeepSeek V3.2: deepseek2's MLA block plus the sparse-attention indexer; split experts only.
+        Recipe("deepseek32", required_keys=_keys(
+            EXPERT_WIDTH, "expert_shared_count", "expert_gating_func", "attention.q_lora_rank",
+            "attention.kv_lora_rank", "attention.key_length_mla", "attention.value_length_mla",
+            "attention.indexer.head_count", "attention.indexer.key_length", "attention.indexer.top_k"),
+               gating_required=True, mla=True, positive_keys=("expert_shared_count", "attention.q_lora_rank",
+                                                              "attention.indexer.head_count",
+                                                              "attention.indexer.key_length")),
         # Its graph always builds a sliding-window input: no window (absent or 0) is a segfault.
         Recipe("afmoe", required_keys=_keys(EXPERT_WIDTH, "expert_shared_count", "attention.sliding_window"),
                plain_attention=True, positive_keys=("attention.sliding_window",)),

@@ -705,6 +705,29 @@ def _mistral4_keys(w: GGUFWriter, b: _Builder) -> None:
     _deepseek2_keys(w, b, "mistral4")
 
 
+# DeepSeek V3.2's sparse-attention indexer: heads, head width, top-k tokens (beyond a tiny context).
+_DSA = (("ix_heads", 2), ("ix_head", 64), ("ix_top_k", 64))  # the head: a multiple of 64 (its Hadamard rotation)
+
+
+def _deepseek32_layer(b: _Builder, il: int) -> None:
+    _deepseek2_layer(b, il)
+    p, E, x = f"blk.{il}.", b.E, b.x
+    ih, ihd = x["ix_heads"], x["ix_head"]
+    b.ones(p + "indexer.k_norm.weight", ihd)
+    b.f32(p + "indexer.k_norm.bias", (ihd,), SMALL_STD)
+    b.mat(p + "indexer.proj.weight", (ih, E), E ** -0.5)
+    b.mat(p + "indexer.attn_k.weight", (ihd, E), E ** -0.5)
+    b.mat(p + "indexer.attn_q_b.weight", (ih * ihd, x["q_rank"]), x["q_rank"] ** -0.5)
+
+
+def _deepseek32_keys(w: GGUFWriter, b: _Builder) -> None:
+    a, x = "deepseek32", b.x
+    _deepseek2_keys(w, b, a)
+    w.add_uint32(f"{a}.attention.indexer.head_count", x["ix_heads"])
+    w.add_uint32(f"{a}.attention.indexer.key_length", x["ix_head"])
+    w.add_uint32(f"{a}.attention.indexer.top_k", x["ix_top_k"])
+
+
 # --- bailingmoe3 (Ling 3): KDA linear attention + gated MLA, leading dense blocks ---------------------
 
 # KDA head width, conv kernel, the gate's lower bound; MLA widths as deepseek2's (no query rank).
@@ -716,10 +739,25 @@ def _ling3_attends(b: _Builder, il: int) -> bool:
     return il == b.spec.n_layer - 1 or _is_mtp(b, il)  # the last main block (and MTP) MLA, the rest KDA
 
 
-def _ling3_layer(b: _Builder, il: int) -> None:
+def _ling3_layer(b: _Builder, il: int, *, kimi: bool = False) -> None:
     p, E, H, x = f"blk.{il}.", b.E, b.n_head, b.x
     b.ones(p + "attn_norm.weight", E)
-    if not _ling3_attends(b, il):
+    if not _ling3_attends(b, il) and kimi:  # Kimi-Linear: low-rank forget and output gates
+        hd, kc = x["kda_head"], x["kda_conv"]
+        inner = H * hd
+        for part in ("q", "k", "v"):
+            b.f32(p + f"ssm_conv1d_{part}.weight", (1, inner, 1, kc), kc ** -0.5)
+            b.mat(p + f"attn_{part}.weight", (inner, E), E ** -0.5)
+        b.mat(p + "ssm_f_a.weight", (hd, E), E ** -0.5)
+        b.mat(p + "ssm_f_b.weight", (inner, hd), hd ** -0.5)
+        b.mat(p + "ssm_beta.weight", (H, E), E ** -0.5)
+        b.f32(p + "ssm_a", (H, 1), 1.0)
+        b.f32(p + "ssm_dt.bias", (inner,), SMALL_STD)
+        b.mat(p + "ssm_g_a.weight", (hd, E), E ** -0.5)
+        b.mat(p + "ssm_g_b.weight", (inner, hd), hd ** -0.5)
+        b.ones(p + "ssm_norm.weight", hd)
+        b.mat(p + "attn_output.weight", (E, inner), inner ** -0.5)
+    elif not _ling3_attends(b, il):
         hd, kc = x["kda_head"], x["kda_conv"]
         inner = H * hd
         for part in ("q", "k", "v"):
@@ -739,7 +777,8 @@ def _ling3_layer(b: _Builder, il: int) -> None:
         b.ones(p + "attn_kv_a_norm.weight", kv_rank)
         b.mat(p + "attn_k_b.weight", (H, kv_rank, nope), nope ** -0.5)
         b.mat(p + "attn_v_b.weight", (H, v, kv_rank), kv_rank ** -0.5)
-        b.mat(p + "attn_gate.weight", (H, E), E ** -0.5)
+        if not kimi:
+            b.mat(p + "attn_gate.weight", (H, E), E ** -0.5)
         b.mat(p + "attn_output.weight", (E, H * v), (H * v) ** -0.5)
     b.ones(p + "ffn_norm.weight", E)
     _lead_or_moe_ffn(b, p, il, b.F * x["n_shared"])
@@ -764,12 +803,59 @@ def _ling3_keys(w: GGUFWriter, b: _Builder) -> None:
     _gating(w, a)
 
 
+def _kimi_linear_layer(b: _Builder, il: int) -> None:
+    _ling3_layer(b, il, kimi=True)
+
+
+def _kimi_linear_keys(w: GGUFWriter, b: _Builder) -> None:
+    a, x = "kimi-linear", b.x
+    w.add_uint32(f"{a}.feed_forward_length", b.F_dense)
+    w.add_uint32(f"{a}.attention.kv_lora_rank", x["kv_rank"])
+    w.add_uint32(f"{a}.attention.key_length_mla", x["nope"] + x["rope"])
+    w.add_uint32(f"{a}.attention.value_length_mla", x["v"])
+    w.add_uint32(f"{a}.ssm.conv_kernel", x["kda_conv"])
+    w.add_uint32(f"{a}.kda.head_dim", x["kda_head"])
+    w.add_uint32(f"{a}.expert_shared_count", x["n_shared"])
+    w.add_uint32(f"{a}.leading_dense_block_count", b.dense_lead)
+    _gating(w, a)
+
+
 def _ling3_overrides(b: _Builder) -> dict[str, Any]:
     # MLA blocks keep one KV head of kv_rank + rope; KDA blocks none (0 marks a recurrent block).
     x = b.x
     heads = [1 if _ling3_attends(b, il) else 0 for il in range(b.spec.n_layer + b.spec.n_nextn)]
     return {"n_head_kv": heads, "key_length": x["kv_rank"] + x["rope"], "value_length": x["kv_rank"],
             "rope_dims": x["rope"]}
+
+
+# --- cohere2moe: parallel attention and FFN off one norm, interleaved sliding windows ---------------
+
+
+def _cohere2moe_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "attn_norm.weight", E)  # the only norm: attention and FFN read the same input
+    _attn(b, p, norms=False)
+    _lead_or_moe_ffn(b, p, il, b.F * b.x["n_shared"], probs_bias=False)
+
+
+def _cohere2moe_keys(w: GGUFWriter, b: _Builder) -> None:
+    a = "cohere2moe"
+    w.add_uint32(f"{a}.feed_forward_length", b.F_dense)
+    w.add_uint32(f"{a}.attention.sliding_window", b.x["sliding_window"])
+    w.add_float32(f"{a}.logit_scale", 1.0)
+    w.add_uint32(f"{a}.leading_dense_block_count", b.dense_lead)
+    w.add_uint32(f"{a}.expert_shared_count", b.x["n_shared"])
+    _gating(w, a)
+
+
+# --- maple: sliding windows by a per-block pattern, clamped SwiGLU experts ----------------------------
+
+
+def _maple_keys(w: GGUFWriter, b: _Builder) -> None:
+    a, n = "maple", b.spec.n_layer
+    w.add_uint32(f"{a}.attention.sliding_window", b.x["sliding_window"])
+    w.add_array(f"{a}.attention.sliding_window_pattern", [il % 2 == 0 and il != n - 1 for il in range(n)])
+    w.add_float32(f"{a}.swiglu_clamp_exp", 7.0)
 
 
 FAMILIES: dict[str, Family] = {
@@ -812,6 +898,13 @@ FAMILIES: dict[str, Family] = {
                overrides=_deepseek2_overrides, fuses_gate_up=True, extra=_DS_MLA),
         Family("bailingmoe3", _ling3_layer, _ling3_keys, min_layers=2, default_layers=3, overrides=_ling3_overrides,
                mtp=True, extra=_LING3),
+        Family("kimi-linear", _kimi_linear_layer, _kimi_linear_keys, min_layers=2, default_layers=3,
+               overrides=_ling3_overrides, extra=_LING3),
+        Family("cohere2moe", _cohere2moe_layer, _cohere2moe_keys, min_layers=2, default_layers=4,
+               fuses_gate_up=True, extra=(("n_shared", 1), ("sliding_window", 128))),
+        Family("maple", _mellum_layer, _maple_keys, min_layers=2, extra=(("sliding_window", 128),)),
+        Family("deepseek32", _deepseek32_layer, _deepseek32_keys, min_layers=2, default_layers=3,
+               overrides=_deepseek2_overrides, mtp=True, extra=_DS_MLA + _DSA),
         Family("afmoe", _afmoe_layer, _afmoe_keys, min_layers=2, default_layers=4,
                extra=(("n_shared", 1), ("sliding_window", 128))),
     )
