@@ -456,7 +456,9 @@ async def chat_completion(session: Session, messages: Any, **kwargs: Any) -> Any
 
     ``chat_template_kwargs`` reach the template (``{"enable_thinking": False}``). A reply that
     thinks in ``<think>...</think>`` or in gpt-oss's analysis channel has its reasoning in
-    ``reasoning_content`` beside ``content`` (message and deltas), as llama-server reports it."""
+    ``reasoning_content`` beside ``content`` (message and deltas), as llama-server reports it.
+    With ``tools``, a call the reply makes comes back as ``message.tool_calls`` (or
+    ``delta.tool_calls`` pieces) with ``finish_reason`` ``"tool_calls"`` (``bmoe.engine.tools``)."""
     return await run(session, prepare_chat_completion(session, messages, **kwargs))
 
 
