@@ -247,6 +247,10 @@ def test_templates_render_tools_past_calls_and_results() -> None:
     assert "<tool_response>\nsunny\n</tool_response>" in text
     # a template that prints the arguments as they are gets their JSON, not a Python dict
     assert str(call["function"]["arguments"]) == '{"city": "Paris"}'
+    # tojson as transformers gives it: keys in order, no HTML escaping (Jinja's own wrote \u003c)
+    assert '{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city"' in text
+    odd = tools.template_call({"function": {"name": "f", "arguments": '{"q": "a<b"}'}})
+    assert '"arguments": {"q": "a<b"}' in fmt.render([Message("assistant", "", (odd,))])
 
 
 @pytest.mark.pure

@@ -163,6 +163,16 @@ class TemplateRefusal(Exception):  # noqa: N818 - what the template's raise_exce
     """A chat template's own ``raise_exception``: the conversation is not one it takes."""
 
 
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    """``tojson`` as transformers (and llama.cpp's minja) give it to chat templates: keys in their
+    order, no HTML escaping (Jinja's own sorts keys and writes ``<`` as ``\\u003c``, which is not
+    the text the model was trained on), and GLM's ``tojson(ensure_ascii=False)`` accepted."""
+    import json
+
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 @cache
 def _compile(source: str) -> Any:
     """The template compiled in a sandbox (no attribute access to Python internals), with the
@@ -177,6 +187,7 @@ def _compile(source: str) -> Any:
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = _tojson
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     try:
         return env.from_string(source)
