@@ -65,6 +65,7 @@ SPECS = {
     "cohere2moe": TinySpec(arch="cohere2moe", wtype="q8_0", fuse_gate_up=True, **W),  # parallel blocks, windows
     "maple": TinySpec(arch="maple", wtype="f16", **W),  # sliding windows by pattern, clamped SwiGLU
     "deepseek32": TinySpec(arch="deepseek32", wtype="q8_0", **W),  # MLA + the sparse-attention indexer
+    "glm-dsa": TinySpec(arch="glm-dsa", wtype="f16", **W),  # GLM-5: deepseek32's block
 }
 EVICTING = MiB  # the smallest budget RunConfig takes
 
@@ -121,6 +122,7 @@ EXPECTED_MOE_LAYERS = {
     "kimi-linear": (1, 2),
     "cohere2moe": (1, 2, 3),
     "deepseek32": (1, 2),
+    "glm-dsa": (1, 2),
 }
 
 

@@ -231,6 +231,12 @@ RECIPES: dict[str, Recipe] = {
                gating_required=True, mla=True, positive_keys=("expert_shared_count", "attention.q_lora_rank",
                                                               "attention.indexer.head_count",
                                                               "attention.indexer.key_length")),
+        # GLM-5 (GlmMoeDsa): deepseek32's block (the indexer optional in the loader).
+        Recipe("glm-dsa", required_keys=_keys(
+            EXPERT_WIDTH, "expert_shared_count", "attention.q_lora_rank", "attention.kv_lora_rank",
+            "attention.key_length_mla", "attention.value_length_mla", "attention.indexer.head_count",
+            "attention.indexer.key_length", "attention.indexer.top_k"),
+               mla=True, positive_keys=("expert_shared_count", "attention.q_lora_rank")),
         # Its graph always builds a sliding-window input: no window (absent or 0) is a segfault.
         Recipe("afmoe", required_keys=_keys(EXPERT_WIDTH, "expert_shared_count", "attention.sliding_window"),
                plain_attention=True, positive_keys=("attention.sliding_window",)),

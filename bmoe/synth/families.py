@@ -720,8 +720,8 @@ def _deepseek32_layer(b: _Builder, il: int) -> None:
     b.mat(p + "indexer.attn_q_b.weight", (ih * ihd, x["q_rank"]), x["q_rank"] ** -0.5)
 
 
-def _deepseek32_keys(w: GGUFWriter, b: _Builder) -> None:
-    a, x = "deepseek32", b.x
+def _deepseek32_keys(w: GGUFWriter, b: _Builder, a: str = "deepseek32") -> None:
+    x = b.x
     _deepseek2_keys(w, b, a)
     w.add_uint32(f"{a}.attention.indexer.head_count", x["ix_heads"])
     w.add_uint32(f"{a}.attention.indexer.key_length", x["ix_head"])
@@ -905,6 +905,9 @@ FAMILIES: dict[str, Family] = {
         Family("maple", _mellum_layer, _maple_keys, min_layers=2, extra=(("sliding_window", 128),)),
         Family("deepseek32", _deepseek32_layer, _deepseek32_keys, min_layers=2, default_layers=3,
                overrides=_deepseek2_overrides, mtp=True, extra=_DS_MLA + _DSA),
+        # GLM-5 (GlmMoeDsa): deepseek32's tensors under another name.
+        Family("glm-dsa", _deepseek32_layer, lambda w, b: _deepseek32_keys(w, b, "glm-dsa"), min_layers=2,
+               default_layers=3, overrides=_deepseek2_overrides, mtp=True, extra=_DS_MLA + _DSA),
         Family("afmoe", _afmoe_layer, _afmoe_keys, min_layers=2, default_layers=4,
                extra=(("n_shared", 1), ("sliding_window", 128))),
     )
