@@ -108,6 +108,8 @@ FAULTS = [
      "expert_gating_func is 0"),
     ("dsa-indexer-head-32", TinySpec(arch="deepseek32"), set_u32("deepseek32.attention.indexer.key_length", 32),
      "indexer.key_length is 32"),
+    ("ocr-rope-base", TinySpec(arch="deepseek2-ocr"),
+     set_value("deepseek2-ocr.rope.freq_base", 20000.0, GGUFValueType.FLOAT32), "asserts 10000"),
     ("ling3-conv-kernel-zero", TinySpec(arch="bailingmoe3"), set_u32("bailingmoe3.ssm.conv_kernel", 0),
      "ssm.conv_kernel' is 0"),
     ("granite-logit-scale-zero", TinySpec(arch="granitemoe"),

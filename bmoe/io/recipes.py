@@ -89,6 +89,8 @@ class Recipe:
     # Kimi delta attention (bailingmoe3): the loader asserts kda.safe_gate true and
     # kda.gate_lower_bound below 0 (aborts, not load errors).
     kda: bool = False
+    # Keys the graph asserts to one value (deepseek2-ocr: rope.freq_base 10000): another aborts.
+    exact_keys: tuple[tuple[str, float], ...] = ()
 
     @property
     def expert_suffixes(self) -> tuple[str, ...]:
@@ -237,6 +239,10 @@ RECIPES: dict[str, Recipe] = {
             "attention.key_length_mla", "attention.value_length_mla", "attention.indexer.head_count",
             "attention.indexer.key_length", "attention.indexer.top_k"),
                mla=True, positive_keys=("expert_shared_count", "attention.q_lora_rank")),
+        # DeepSeek-OCR's language model: deepseek2's graph in plain multi-head attention.
+        Recipe("deepseek2-ocr", (SPLIT, FUSED), _keys(EXPERT_WIDTH, "expert_shared_count"), user_open_fuses=True,
+               plain_attention=True, positive_keys=("expert_shared_count",),
+               exact_keys=(("rope.freq_base", 10000.0),)),
         # Its graph always builds a sliding-window input: no window (absent or 0) is a segfault.
         Recipe("afmoe", required_keys=_keys(EXPERT_WIDTH, "expert_shared_count", "attention.sliding_window"),
                plain_attention=True, positive_keys=("attention.sliding_window",)),

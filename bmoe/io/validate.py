@@ -171,6 +171,11 @@ def _check_aborting_metadata(first: ShardIndex, recipe: Recipe) -> None:
         raise ModelFileError(f"{path}: {key('interleave_moe_layer_step')} is 0; llama.cpp aborts unless it is positive")
     if recipe.kda:
         _check_kda_gate(first, recipe)
+    for name, want in recipe.exact_keys:
+        value = first.metadata.get(key(name))
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                  or abs(value - want) > 1e-4):
+            raise ModelFileError(f"{path}: {key(name)} is {value!r}; llama.cpp's {recipe.arch} graph asserts {want:g}")
     if n_layer is not None and recipe.recurrent_marker:
         _check_some_block_attends(first, recipe, n_layer - (nextn or 0))
     sections = first.arrays.get(key("rope.dimension_sections"))

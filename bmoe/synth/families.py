@@ -557,8 +557,7 @@ def _deepseek_layer(b: _Builder, il: int) -> None:
     _lead_or_moe_ffn(b, p, il, b.F * b.x["n_shared"], probs_bias=False)
 
 
-def _deepseek_keys(w: GGUFWriter, b: _Builder) -> None:
-    a = "deepseek"
+def _deepseek_keys(w: GGUFWriter, b: _Builder, a: str = "deepseek") -> None:
     w.add_uint32(f"{a}.feed_forward_length", b.F_dense)
     w.add_uint32(f"{a}.expert_shared_count", b.x["n_shared"])
     w.add_uint32(f"{a}.leading_dense_block_count", b.dense_lead)
@@ -908,6 +907,11 @@ FAMILIES: dict[str, Family] = {
         # GLM-5 (GlmMoeDsa): deepseek32's tensors under another name.
         Family("glm-dsa", _deepseek32_layer, lambda w, b: _deepseek32_keys(w, b, "glm-dsa"), min_layers=2,
                default_layers=3, overrides=_deepseek2_overrides, mtp=True, extra=_DS_MLA + _DSA),
+        # DeepSeek-OCR's language model: deepseek's MHA block (k and v as wide as q), dense lead,
+        # shared experts, fused or split gate/up.
+        Family("deepseek2-ocr", _deepseek_layer, lambda w, b: _deepseek_keys(w, b, "deepseek2-ocr"), min_layers=2,
+               default_layers=3, overrides=lambda b: {"n_head_kv": b.n_head, "rope_theta": 10_000.0},
+               fuses_gate_up=True, extra=(("n_shared", 2),)),  # its graph asserts a rope base of 10000
         Family("afmoe", _afmoe_layer, _afmoe_keys, min_layers=2, default_layers=4,
                extra=(("n_shared", 1), ("sliding_window", 128))),
     )
