@@ -284,7 +284,7 @@ def test_every_llama_decode_runs_on_the_process_compute_thread(tiny, monkeypatch
     at its barriers (an all-cached decode measured 0.80x resident that way)."""
     import threading
 
-    import bmoe.engine.session as session_mod
+    import bmoe.engine.assembly as session_mod
     from bmoe.llama.seam import LlamaModel
 
     threads: list[tuple[str, int]] = []
@@ -370,6 +370,7 @@ print("text", repr(llm.detokenize(tokens).decode("utf-8")))
 print("nobos", llm.tokenize("the disk".encode(), add_bos=False))
 out = llm("Q: Name a colour. A:", max_tokens=8, temperature=0.0)
 print("call", repr(out["choices"][0]["text"]), out["choices"][0]["finish_reason"], out["usage"]["total_tokens"])
+llm.reset()
 pieces = [c["choices"][0]["text"] for c in llm.create_completion("Once", max_tokens=6, temperature=0.0, stream=True)]
 print("stream", repr("".join(pieces)))
 chat = llm.create_chat_completion(messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0.0)
@@ -421,3 +422,25 @@ def test_tokenize_takes_bytes_and_detokenize_gives_them_back(tiny) -> None:  # n
             s.detokenize([5], special=True)
         with pytest.raises(BmoeError):
             s.detokenize([s.n_vocab()])
+
+
+def test_reset_makes_the_next_generation_evaluate_its_whole_prompt(tiny) -> None:  # noqa: ANN001
+    """``Llama.reset()``'s counterpart: once after it, a generation of any kind reuses nothing the
+    context held (and answers exactly as a fresh session); without it, the same prompt is reused."""
+    path = tiny.path(TinySpec())
+    with SyncSession.open(path, CONFIG) as s:
+        def cached() -> int:
+            return s.create_completion(PROMPT, max_tokens=4)["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert cached() == 0 and cached() > 0
+        s.reset()
+        assert cached() == 0 and cached() > 0, "once, then reuse again"
+        s.reset()
+        chunks = list(s.create_chat_completion([{"role": "user", "content": PROMPT}], max_tokens=3, stream=True))
+        assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        s.reset()
+        assert [p.usage for p in s.stream(PROMPT, 3) if p.usage is not None][0].prompt_reused == 0
+        assert s.generate(PROMPT, 3).usage.prompt_reused > 0
+        s.reset()
+        g = s.generate(PROMPT, N_TOKENS, stop_at_end=False)
+        assert g.usage.prompt_reused == 0 and g.tokens == tiny.resident_tokens(path)

@@ -13,6 +13,7 @@ several threads wait their turn; one thread never closes another's stream.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 import threading
 import warnings
@@ -23,6 +24,7 @@ from typing import Any
 
 from anyio.from_thread import start_blocking_portal
 
+from bmoe.engine import completions
 from bmoe.engine.aio import loop_backend_options
 from bmoe.engine.config import RunConfig
 from bmoe.engine.sampling import SamplingParams
@@ -79,6 +81,7 @@ class SyncSession:
         # Per thread, the iterator it opened last (weakly: one dropped is closed by its finalizer).
         self._open_iters: weakref.WeakValueDictionary[int, Iterator[Any]] = weakref.WeakValueDictionary()
         self._guard = threading.Lock()
+        self._reset_pending = False
         _unclosed.add(self)
 
     @classmethod
@@ -143,7 +146,7 @@ class SyncSession:
     ) -> Iterator[Piece]:
         self._begin()
         agen = self.session.stream(prompt, max_tokens, sampling=sampling, stop=stop,
-                                   stop_at_end=stop_at_end, special=special)
+                                   stop_at_end=stop_at_end, special=special, reuse_prompt=self._take_reset())
         return self._track(self._iterate(agen))
 
     def generate(
@@ -151,20 +154,49 @@ class SyncSession:
         stop: Sequence[str] | str | None = None, stop_at_end: bool = True, special: bool = False,
     ) -> Generation:
         self._begin()
-        return self._call(lambda: self.session.generate(
-            prompt, max_tokens, sampling=sampling, stop=stop, stop_at_end=stop_at_end, special=special))
+        kw = dict(sampling=sampling, stop=stop, stop_at_end=stop_at_end, special=special)
+        if self._take_reset() is None:
+            return self._call(lambda: self.session.generate(prompt, max_tokens, **kw))
+        return self._call(lambda: _gathered(self.session, prompt, max_tokens, **kw))
 
     def create_completion(self, prompt: str | Sequence[int], **kwargs: Any) -> Any:
         """llama-cpp-python's ``create_completion``: a dict, or an iterator of chunk dicts."""
         self._begin()
+        if self._reset_pending:
+            return self._answer(self._portal_call(completions.prepare_completion, self.session, prompt, **kwargs))
         out = self._call(lambda: self.session.create_completion(prompt, **kwargs))
         return self._track(self._iterate(out)) if kwargs.get("stream") else out
 
     def create_chat_completion(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> Any:
         """llama-cpp-python's ``create_chat_completion``: a dict, or an iterator of chunk dicts."""
         self._begin()
+        if self._reset_pending:
+            return self._answer(self._portal_call(completions.prepare_chat_completion, self.session, messages,
+                                                  **kwargs))
         out = self._call(lambda: self.session.create_chat_completion(messages, **kwargs))
         return self._track(self._iterate(out)) if kwargs.get("stream") else out
+
+    def _answer(self, prepared: completions.Prepared) -> Any:
+        """A request prepared after a ``reset()``, run from its first prompt token (what
+        ``Session.create_*`` do otherwise: ``completions.run`` of the prepared request)."""
+        if self._take_reset() is False:
+            prepared = dataclasses.replace(prepared, reuse_prompt=False)
+        out = self._call(lambda: completions.run(self.session, prepared))
+        return self._track(self._iterate(out)) if prepared.stream else out
+
+    def reset(self) -> None:
+        """As ``llama_cpp.Llama.reset()``: forget what the context holds. The next generation (any
+        of ``stream``, ``generate``, ``create_*``, a call) evaluates its whole prompt from the first
+        token instead of reusing the prefix the context kept, so it answers exactly as a fresh
+        session would (``RunConfig.reuse_prompt`` says why reuse may change the last bits)."""
+        with self._guard:
+            self._reset_pending = True
+
+    def _take_reset(self) -> bool | None:
+        """False (reuse nothing) once after ``reset()``; None (the session's config) otherwise."""
+        with self._guard:
+            pending, self._reset_pending = self._reset_pending, False
+        return False if pending else None
 
     def __call__(self, prompt: str | Sequence[int], **kwargs: Any) -> Any:
         """``create_completion``, as ``Llama(...)("Q: ...", max_tokens=32)`` calls it."""
@@ -266,3 +298,23 @@ class SyncSession:
 
 async def _call_async(fn: Any, *args: Any, **kwargs: Any) -> Any:
     return fn(*args, **kwargs)
+
+
+async def _gathered(session: Session, prompt: str | Sequence[int], max_tokens: int, *,
+                    sampling: SamplingParams | None, **kw: Any) -> Generation:
+    """``Session.generate`` after a ``reset()``: its stream gathered the same way, from the first
+    prompt token (``Session.generate`` takes no ``reuse_prompt``)."""
+    out = Generation()
+    parts, logprobs = [], []
+    async for piece in session.stream(prompt, max_tokens, sampling=sampling, reuse_prompt=False, **kw):
+        if piece.token is not None:
+            out.tokens.append(piece.token)
+        if piece.logprob is not None:
+            logprobs.append(piece.logprob)
+        parts.append(piece.text)
+        if piece.finish_reason is not None:
+            out.finish_reason, out.usage = piece.finish_reason, piece.usage
+    out.text = "".join(parts)
+    out.stats = session.last_stats
+    out.logprobs = logprobs if sampling is not None and sampling.logprobs is not None else None
+    return out
