@@ -67,6 +67,7 @@ SPECS = {
     "deepseek32": TinySpec(arch="deepseek32", wtype="q8_0", **W),  # MLA + the sparse-attention indexer
     "glm-dsa": TinySpec(arch="glm-dsa", wtype="f16", **W),  # GLM-5: deepseek32's block
     "deepseek2-ocr": TinySpec(arch="deepseek2-ocr", wtype="q8_0", fuse_gate_up=True, **W),  # MHA, rope base 10000
+    "exaone-moe": TinySpec(arch="exaone-moe", wtype="f16", **W),  # sliding windows, a shared expert
 }
 EVICTING = MiB  # the smallest budget RunConfig takes
 
@@ -125,6 +126,7 @@ EXPECTED_MOE_LAYERS = {
     "deepseek32": (1, 2),
     "glm-dsa": (1, 2),
     "deepseek2-ocr": (1, 2),
+    "exaone-moe": (1, 2, 3),
 }
 
 

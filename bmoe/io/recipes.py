@@ -243,6 +243,10 @@ RECIPES: dict[str, Recipe] = {
         Recipe("deepseek2-ocr", (SPLIT, FUSED), _keys(EXPERT_WIDTH, "expert_shared_count"), user_open_fuses=True,
                plain_attention=True, positive_keys=("expert_shared_count",),
                exact_keys=(("rope.freq_base", 10000.0),)),
+        # K-EXAONE: sliding windows (3 of 4 blocks), leading dense blocks, a shared expert in every MoE
+        # block (sized by expert_shared_feed_forward_length, else the expert width).
+        Recipe("exaone-moe", required_keys=_keys(EXPERT_WIDTH, "attention.sliding_window", "expert_gating_func"),
+               gating_required=True, full_rope=True, plain_attention=True),
         # Its graph always builds a sliding-window input: no window (absent or 0) is a segfault.
         Recipe("afmoe", required_keys=_keys(EXPERT_WIDTH, "expert_shared_count", "attention.sliding_window"),
                plain_attention=True, positive_keys=("attention.sliding_window",)),

@@ -857,6 +857,27 @@ def _maple_keys(w: GGUFWriter, b: _Builder) -> None:
     w.add_float32(f"{a}.swiglu_clamp_exp", 7.0)
 
 
+# --- exaone-moe (K-EXAONE): sliding windows, q/k norms, leading dense blocks, a shared expert -------
+
+
+def _exaone_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    _attn(b, p)
+    b.ones(p + "attn_norm.weight", E)
+    b.ones(p + "ffn_norm.weight", E)
+    _lead_or_moe_ffn(b, p, il, b.F_shexp)
+
+
+def _exaone_keys(w: GGUFWriter, b: _Builder) -> None:
+    a = "exaone-moe"
+    w.add_uint32(f"{a}.feed_forward_length", b.F_dense)
+    w.add_uint32(f"{a}.attention.sliding_window", b.x["sliding_window"])
+    w.add_uint32(f"{a}.expert_shared_count", 1)
+    w.add_uint32(f"{a}.expert_shared_feed_forward_length", b.F_shexp)
+    w.add_uint32(f"{a}.leading_dense_block_count", b.dense_lead)
+    _gating(w, a)
+
+
 FAMILIES: dict[str, Family] = {
     f.arch: f
     for f in (
@@ -912,6 +933,8 @@ FAMILIES: dict[str, Family] = {
         Family("deepseek2-ocr", _deepseek_layer, lambda w, b: _deepseek_keys(w, b, "deepseek2-ocr"), min_layers=2,
                default_layers=3, overrides=lambda b: {"n_head_kv": b.n_head, "rope_theta": 10_000.0},
                fuses_gate_up=True, extra=(("n_shared", 2),)),  # its graph asserts a rope base of 10000
+        Family("exaone-moe", _exaone_layer, _exaone_keys, min_layers=2, default_layers=4,
+               extra=(("sliding_window", 128),)),
         Family("afmoe", _afmoe_layer, _afmoe_keys, min_layers=2, default_layers=4,
                extra=(("n_shared", 1), ("sliding_window", 128))),
     )
