@@ -113,3 +113,20 @@ def test_unknown_fields_are_refused_as_openai_does_and_the_listed_ones_ignored(s
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
     r = post(url, path, {**base, "max_token": 3})
     assert r.json()["error"]["message"] == "Unrecognized request argument supplied: max_token"
+
+
+def test_llama_servers_own_completion_route_and_the_routes_without_v1(served) -> None:
+    url, _ = served
+    whole = post(url, "/completion", {"prompt": "Once upon a time", "n_predict": 3}).json()
+    assert whole["stop"] is True and whole["tokens_predicted"] == 3 and whole["stop_type"] == "limit", whole
+    assert isinstance(whole["content"], str) and whole["tokens_evaluated"] > 0
+    with httpx.stream("POST", f"{url}/completion", json={"prompt": "Once upon a time", "n_predict": 3,
+                                                         "stream": True}, timeout=120) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: {") for line in lines), "no [DONE]: llama-server's /completion sends none"
+    events = [json.loads(line[6:]) for line in lines]
+    assert [e["stop"] for e in events] == [False] * (len(events) - 1) + [True]
+    assert "".join(e["content"] for e in events) == whole["content"] and events[-1]["tokens_predicted"] == 3
+    assert post(url, "/completions", {"prompt": "hi", "max_tokens": 2}).json()["object"] == "text_completion"
+    chat = post(url, "/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert chat.json()["object"] == "chat.completion"

@@ -351,8 +351,12 @@ class _Generation(Response):
     """The answer to one prepared completion request: an error (400 for a grammar llama.cpp
     refuses, 503), a JSON body, or a stream of server-sent events ending ``data: [DONE]``."""
 
-    def __init__(self, server: _Server, prepared: Prepared, arrived: float) -> None:
+    def __init__(self, server: _Server, prepared: Prepared, arrived: float,
+                 shape: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None, done: bool = True) -> None:
+        """``shape``: the engine's answer and chunks as the route's clients read them (OpenAI's by
+        default; llama-server's for /completion, whose stream has no ``[DONE]``: ``done`` False)."""
         self._server, self._prepared, self._arrived = server, prepared, arrived
+        self._shape, self._done = shape or _as_openai, done
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         server = self._server
@@ -399,7 +403,7 @@ class _Generation(Response):
             if server.stopping:  # the shutdown came while this generation was starting
                 session.cancel()
             if not self._prepared.stream:
-                await JSONResponse(_as_openai(result))(scope, receive, send)
+                await JSONResponse(self._shape(result))(scope, receive, send)
                 return
             outcome = await self._send_events(result, send, state)
         except asyncio.CancelledError:
@@ -451,7 +455,7 @@ class _Generation(Response):
                 async for engine_chunk in chunks:
                     if state["gone"]:
                         break
-                    chunk = _as_openai(engine_chunk)
+                    chunk = self._shape(engine_chunk)
                     if chunk is None:
                         continue
                     data = b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
@@ -465,7 +469,8 @@ class _Generation(Response):
                 log.error("generation failed mid-stream: %s", exc)
             data = b"data: " + json.dumps(body).encode() + b"\n\n"
             await send({"type": "http.response.body", "body": data, "more_body": True})
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n" if self._done else b"",
+                    "more_body": False})
         return outcome
 
 
@@ -514,7 +519,7 @@ def create_app(
         except BodiesFull as exc:
             raise _BadRequest.busy(str(exc)) from None
 
-    async def generation(request: Request, route: str, schema: type[BaseModel]) -> Response:
+    async def generation(request: Request, route: str, schema: type[BaseModel], **shape: Any) -> Response:
         """Read, parse, check and tokenize the request (the body held, and counted, until then),
         then answer it as a _Generation."""
         arrived = time.monotonic()
@@ -525,7 +530,7 @@ def create_app(
         except SessionClosedError as exc:
             server.metrics.requests.labels("unavailable").inc()
             return _error(503, str(exc), "server_error")
-        return _Generation(server, prepared, arrived)
+        return _Generation(server, prepared, arrived, **shape)
 
     async def asking(request: Request, fn: Callable[[Session, Any], dict[str, Any]],
                      schema: type[BaseModel] | None) -> Response:
@@ -554,6 +559,10 @@ def create_app(
 
     async def completions(request: Request) -> Response:
         return await generation(request, "completions", CompletionRequest)
+
+    async def native_completion(request: Request) -> Response:
+        return await generation(request, "completions", CompletionRequest, shape=llama_routes.native_completion,
+                                done=False)
 
     def model_object() -> dict[str, Any]:
         out = {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "bmoe"}
@@ -649,6 +658,10 @@ def create_app(
         routes=[
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
+            # llama-server's spellings: the OpenAI routes without /v1, and its own /completion
+            Route("/chat/completions", chat, methods=["POST"]),
+            Route("/completions", completions, methods=["POST"]),
+            Route("/completion", native_completion, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/models/{model:path}", one_model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),

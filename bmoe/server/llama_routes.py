@@ -1,6 +1,6 @@
 """llama-server's own routes that front-ends call beside the OpenAI ones: ``/tokenize``,
-``/detokenize`` and ``/props``, with llama-server's field names, defaults and reply shapes, so a
-page or a script written for llama-server works here.
+``/detokenize``, ``/props`` and ``/completion``, with llama-server's field names, defaults and reply
+shapes, so a page or a script written for llama-server works here.
 
 What ``/props`` says is what applies to bmoe: the default sampling (greedy, where llama-server
 samples at 0.8), the context, the slots (sequences decoded together), the model's path and chat
@@ -90,3 +90,24 @@ def props(session: Session, *, model_name: str | None, busy: bool, reuse_prompt:
         "n_vocab": session.n_vocab,
     }
 
+
+
+_STOP_TYPE = {"stop": "eos", "length": "limit", "cancelled": "limit"}  # a stop string is "eos" too
+
+
+def native_completion(chunk: dict[str, Any]) -> dict[str, Any] | None:
+    """A text completion (or one of its stream chunks) in llama-server's /completion shape:
+    ``content`` and ``stop``, and once finished the token counts and ``stop_type`` (bmoe's "stop"
+    does not tell an end token from a stop string: both are "eos"). The OpenAI usage chunk with
+    no choices is dropped: the last chunk carries the counts already."""
+    choices = chunk.get("choices") or []
+    if not choices:
+        return None
+    choice, usage = choices[0], chunk.get("usage")
+    out: dict[str, Any] = {"content": choice.get("text", ""), "id_slot": 0, "stop": usage is not None,
+                           "model": chunk.get("model")}
+    if usage is not None:
+        out.update(tokens_predicted=usage["completion_tokens"], tokens_evaluated=usage["prompt_tokens"],
+                   tokens_cached=usage["prompt_tokens_details"]["cached_tokens"],
+                   stop_type=_STOP_TYPE.get(choice.get("finish_reason") or "", "eos"), truncated=False)
+    return out
