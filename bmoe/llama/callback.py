@@ -127,7 +127,7 @@ class EvalCallback:
         # this callback needs, so that the other MoE nodes never reach Python, and the resident
         # maps, so that a one-token routing of resident experts is served in C.
         self.node_filter: NodeFilter | None = None
-        # Expert-major prefill (set by the session when the model and the run allow it).
+        # Expert-major prefill (given to ``stream`` when the model and the run allow it).
         self.expert_major: ExpertMajor | None = None
         self._em_active = False  # this decode call runs expert-major
         self._batched = False  # this decode call has more than one token
@@ -135,12 +135,16 @@ class EvalCallback:
         # expert (a run that saves what the policy learned); else such routings go unseen.
         self.see_routing = False
 
-    def stream(self, gate: RoutingGate) -> None:
-        """Start streaming through ``gate``, in the modes it was made with (once per callback)."""
+    def stream(self, gate: RoutingGate, *, expert_major: ExpertMajor | None = None, see_routing: bool = False) -> None:
+        """Start streaming through ``gate``, in the modes it was made with (once per callback):
+        ``expert_major`` computes a prompt's experts group by group where it may; ``see_routing``
+        sends every routing to the cache's policy, even one the cache holds whole."""
         if self.streaming:
             raise BmoeError("the eval callback already streams")
         modes = gate.modes
         self.gate = gate
+        self.expert_major = expert_major
+        self.see_routing = see_routing
         self.weights_tap = modes.weights_tap
         self.wait_after = dict(modes.overlap.wait_after) if modes.overlap is not None else None
         self.predictor = modes.predictor

@@ -147,8 +147,8 @@ class DropColdCallback(LeverCallback):
         super().__init__(gate)
         self.drop = self.lever = drop
 
-    def stream(self, gate: RoutingGate) -> None:
-        super().stream(gate)
+    def stream(self, gate: RoutingGate, **kw: object) -> None:
+        super().stream(gate, **kw)  # type: ignore[arg-type]
         self.drop.bind(gate.fast_path.resident)
 
     def _visit(self, node: int, ask: bool) -> bool:
