@@ -68,6 +68,7 @@ SPECS = {
     "glm-dsa": TinySpec(arch="glm-dsa", wtype="f16", **W),  # GLM-5: deepseek32's block
     "deepseek2-ocr": TinySpec(arch="deepseek2-ocr", wtype="q8_0", fuse_gate_up=True, **W),  # MHA, rope base 10000
     "exaone-moe": TinySpec(arch="exaone-moe", wtype="f16", **W),  # sliding windows, a shared expert
+    "laguna": TinySpec(arch="laguna", wtype="q8_0", **W),  # a per-head attention gate, a shared expert
 }
 EVICTING = MiB  # the smallest budget RunConfig takes
 
@@ -127,6 +128,7 @@ EXPECTED_MOE_LAYERS = {
     "glm-dsa": (1, 2),
     "deepseek2-ocr": (1, 2),
     "exaone-moe": (1, 2, 3),
+    "laguna": (1, 2),
 }
 
 

@@ -112,6 +112,8 @@ FAULTS = [
      set_value("deepseek2-ocr.rope.freq_base", 20000.0, GGUFValueType.FLOAT32), "asserts 10000"),
     ("exaone-gating-absent", TinySpec(arch="exaone-moe"), drop("exaone-moe.expert_gating_func"),
      "expert_gating_func"),
+    ("laguna-gate-width", TinySpec(arch="laguna"), set_u32("laguna.attention.head_count", 8),
+     "the laguna metadata says"),
     ("ling3-conv-kernel-zero", TinySpec(arch="bailingmoe3"), set_u32("bailingmoe3.ssm.conv_kernel", 0),
      "ssm.conv_kernel' is 0"),
     ("granite-logit-scale-zero", TinySpec(arch="granitemoe"),
@@ -211,7 +213,7 @@ def test_without_validation_the_same_fault_kills_the_process(tmp_path: Path) -> 
 # loader's ne[dim] >= 1 assert; a plain load of the same file fails cleanly instead).
 _LOAD_ERROR_IN_PLAIN = ("dense-ffn-width-deleted", "shared-count-zero", "l-cache-zero", "shared-count-zero-bailingmoe",
                         "shared-count-zero-deepseek", "ling3-conv-kernel-zero", "dsa-indexer-head-32",
-                        "exaone-gating-absent")
+                        "exaone-gating-absent", "laguna-gate-width")
 _NO_CONTROL = ("granite-logit-scale-zero", "arctic-width-deleted")  # NaN logits / a clean load error, no abort
 _FIRST_OLD = [f[0] for f in FAULTS].index("gating-absent")  # those before it came with issues 39 and 37
 ISSUE_39_FAULTS = [(f, "load error" if f[0] in _LOAD_ERROR_IN_PLAIN else "abort") for f in FAULTS[:_FIRST_OLD]

@@ -498,6 +498,7 @@ def _check_shapes(
         want(b + "attn_v.weight", *[(n_embd, kv * v) for _, v in sizes])
         want(b + "attn_output.weight", *[(h * v, n_embd) for _, v in sizes])
         want(b + "attn_qkv.weight", *[(n_embd, h * k + 2 * kv * k) for k, _ in sizes])  # dbrx's fused q/k/v
+        want(b + "attn_gate.weight", (n_embd, h), *[(n_embd, h * k) for k, _ in sizes])  # per head or element
         if layout.arch == "olmoe":  # olmoe.cpp: q and k norms span the whole n_embd
             want(b + "attn_q_norm.weight", (n_embd,))
             want(b + "attn_k_norm.weight", (n_embd,))

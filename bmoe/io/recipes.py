@@ -247,6 +247,9 @@ RECIPES: dict[str, Recipe] = {
         # block (sized by expert_shared_feed_forward_length, else the expert width).
         Recipe("exaone-moe", required_keys=_keys(EXPERT_WIDTH, "attention.sliding_window", "expert_gating_func"),
                gating_required=True, full_rope=True, plain_attention=True),
+        # Laguna: an attention output gate per head (or per element: any other width aborts the
+        # loader), leading dense blocks, one shared expert, exp_probs_b required.
+        Recipe("laguna", required_keys=_keys(EXPERT_WIDTH, "leading_dense_block_count"), plain_attention=True),
         # Its graph always builds a sliding-window input: no window (absent or 0) is a segfault.
         Recipe("afmoe", required_keys=_keys(EXPERT_WIDTH, "expert_shared_count", "attention.sliding_window"),
                plain_attention=True, positive_keys=("attention.sliding_window",)),

@@ -878,6 +878,26 @@ def _exaone_keys(w: GGUFWriter, b: _Builder) -> None:
     _gating(w, a)
 
 
+# --- laguna: a per-head attention output gate, leading dense blocks, one shared expert -----------
+
+
+def _laguna_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "attn_norm.weight", E)
+    _attn(b, p)
+    b.mat(p + "attn_gate.weight", (b.n_head, E), E ** -0.5)  # one gate per head
+    b.ones(p + "ffn_norm.weight", E)
+    _lead_or_moe_ffn(b, p, il, b.F_shexp)  # selection bias required here
+
+
+def _laguna_keys(w: GGUFWriter, b: _Builder) -> None:
+    a = "laguna"
+    w.add_uint32(f"{a}.feed_forward_length", b.F_dense)
+    w.add_uint32(f"{a}.leading_dense_block_count", b.dense_lead)
+    w.add_uint32(f"{a}.expert_shared_feed_forward_length", b.F_shexp)
+    _gating(w, a)
+
+
 FAMILIES: dict[str, Family] = {
     f.arch: f
     for f in (
@@ -935,6 +955,7 @@ FAMILIES: dict[str, Family] = {
                fuses_gate_up=True, extra=(("n_shared", 2),)),  # its graph asserts a rope base of 10000
         Family("exaone-moe", _exaone_layer, _exaone_keys, min_layers=2, default_layers=4,
                extra=(("sliding_window", 128),)),
+        Family("laguna", _laguna_layer, _laguna_keys, min_layers=2, default_layers=3),
         Family("afmoe", _afmoe_layer, _afmoe_keys, min_layers=2, default_layers=4,
                extra=(("n_shared", 1), ("sliding_window", 128))),
     )
