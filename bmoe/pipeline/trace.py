@@ -144,6 +144,42 @@ class RouteTrace:
     def moe_layers(self) -> list[int]:
         return sorted(self.expert_bytes)
 
+    def batched(self, streams: int) -> RouteTrace:
+        """The decode of this trace as ``streams`` concurrent sequences would run it in the step
+        scheduler: the decoded tokens cut into ``streams`` equal runs (independent requests), and
+        step ``s`` of the result holds token ``s`` of every run, so each layer's routing event is
+        the union over the streams (``layer_events`` merges a step's rows). Prefill rows are left
+        out, and so is a remainder of fewer than ``streams`` tokens. Real routing of one request
+        stands in for several: what it cannot show is how much more (or less) independent
+        requests' experts differ than distant parts of one."""
+        if streams < 1:
+            raise ValueError(f"streams must be >= 1, got {streams}")
+        dec = np.flatnonzero(self.phase == 1)
+        keys = np.stack([self.turn[dec], self.step[dec]])
+        _, token = np.unique(keys, axis=1, return_inverse=True)  # the decoded token of each row
+        token = token.reshape(-1)
+        n_tok = int(token.max()) + 1 if token.size else 0
+        per = n_tok // streams
+        if per == 0:
+            raise ValueError(f"the trace decodes {n_tok} tokens: fewer than {streams} streams need")
+        keep = token < per * streams
+        rows, token = dec[keep], token[keep]
+        stream, step = token // per, token % per
+        order = np.lexsort((np.arange(rows.size), stream, self.layer[rows], step))
+        rows, step = rows[order], step[order]
+
+        def col(a: np.ndarray) -> np.ndarray:
+            return a[rows].copy()
+
+        return RouteTrace(
+            path=self.path, version=self.version, model=self.model, arch=self.arch, n_layer=self.n_layer,
+            n_expert=self.n_expert, n_expert_used=self.n_expert_used, expert_bytes=dict(self.expert_bytes),
+            dense_bytes=dict(self.dense_bytes), turn=np.zeros(rows.size, dtype=self.turn.dtype),
+            phase=col(self.phase), step=step.astype(self.step.dtype), layer=col(self.layer), slot=col(self.slot),
+            expert=col(self.expert), weight=col(self.weight), residency=col(self.residency),
+            bytes_read=col(self.bytes_read), run=dict(self.run), summary={},
+        )
+
     def working_set_bytes(self) -> int:
         """One token's worst-case routed bytes: every layer's top-k (what LRU needs to hit at all)."""
         return self.n_expert_used * sum(self.expert_bytes.values())
