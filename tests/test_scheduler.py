@@ -217,3 +217,20 @@ def test_ngram_drafter_proposes_what_followed_and_adapts() -> None:
     assert d.propose(ctx, 8) == []
     assert d.propose(ctx, 8) == [4]
     assert d.stats.drafted == 10 and d.stats.accepted == 3
+
+
+def test_each_sequence_keeps_its_own_grammar_and_logprobs(tiny) -> None:
+    """Two requests in the same steps: one held to a grammar, one reporting logprobs."""
+    path = tiny.path(FAMILIES["qwen3moe"])
+    digits = SamplingParams(temperature=0.7, seed=3, grammar='root ::= [0-9]+')
+
+    async def go():  # noqa: ANN202
+        async with await Session.open_async(path, resident(parallel=2)) as s:
+            return await asyncio.gather(s.generate(PROMPTS[0], 8, sampling=digits, stop_at_end=False),
+                                        s.generate(PROMPTS[1], 8, sampling=SamplingParams(logprobs=2),
+                                                   stop_at_end=False)), s.scheduler.figures
+
+    (a, b), figures = asyncio.run(go())
+    assert a.text.isdigit() and len(a.tokens) == 8
+    assert b.logprobs is not None and len(b.logprobs) == 8
+    assert max(figures.batch_sizes) == 2
