@@ -66,3 +66,31 @@ def test_metrics_have_latency_histograms_and_no_created_lines(served) -> None:  
     for name in ("bmoe_request_seconds", "bmoe_first_token_seconds", "bmoe_prompt_eval_seconds"):
         assert counts.get(f"{name}_count", 0) >= 2, (name, counts)
         assert f'{name}_bucket{{le="+Inf"}}' in text
+
+
+def test_serve_flags_no_prompt_reuse_no_webui_and_a_bad_cors_origin(tiny) -> None:  # noqa: ANN001
+    from bmoe.synth.tiny import TinySpec
+
+    model = str(tiny.path(TinySpec()))
+    bad = subprocess.run([sys.executable, "-m", "bmoe.cli", "serve", "-m", model, "--cors-origin", "http://a/b"],
+                         capture_output=True, text=True, timeout=GUARD_S)
+    assert bad.returncode != 0 and "--cors-origin" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+    proc = subprocess.Popen([sys.executable, "-m", "bmoe.cli", "serve", "-m", model, "--port", "0", "-c", "256",
+                             "--no-prompt-reuse", "--no-webui", "--cors-origin", "*"], stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    try:
+        line = proc.stderr.readline()
+        assert "chat page" not in line, line
+        url = line.split()[-1].removesuffix("/v1")
+        body = {"prompt": "The same prompt twice", "max_tokens": 2}
+        cached = [httpx.post(f"{url}/v1/completions", json=body, timeout=GUARD_S).json()
+                  ["usage"]["prompt_tokens_details"]["cached_tokens"] for _ in range(2)]
+        assert cached == [0, 0]
+        assert httpx.get(f"{url}/", timeout=GUARD_S).status_code == 404
+        pre = httpx.options(f"{url}/v1/models", timeout=GUARD_S,
+                            headers={"Origin": "http://x.example", "Access-Control-Request-Method": "GET"})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] in ("*", "http://x.example")
+    finally:
+        proc.terminate()
+        err = proc.communicate(timeout=GUARD_S)[1]
+    assert err.strip().splitlines()[-1] == "bmoe serve: stopped by SIGTERM", err

@@ -35,17 +35,17 @@ import math
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from importlib import resources
 from contextlib import aclosing, asynccontextmanager
+from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -66,8 +66,8 @@ from bmoe.server import llama_routes
 from bmoe.server.bodies import Bodies, BodiesFull, Held
 from bmoe.server.fields import FieldError, check_fields
 from bmoe.server.metrics import ServerMetrics
-from bmoe.server.stats import snapshot
 from bmoe.server.schemas import ChatRequest, CompletionRequest
+from bmoe.server.stats import snapshot
 from bmoe.server.turns import QueueFull, Turns
 
 log = logging.getLogger("bmoe.server")
@@ -551,7 +551,7 @@ def create_app(
 
     async def props(request: Request) -> Response:
         return await asking(request, lambda s, _: llama_routes.props(s, model_name=server.model_name,
-                                                                     busy=server.turns.running,
+                                                                     busy=bool(server.turns.running),
                                                                      reuse_prompt=server.reuse_prompt), None)
 
     async def chat(request: Request) -> Response:
@@ -650,9 +650,9 @@ def create_app(
         return HTMLResponse(page_html, headers={"cache-control": "no-cache"})
 
     async def stats(_: Request) -> Response:
-        return JSONResponse(snapshot(server.session, model=server.model_name, generating=server.turns.running,
+        return JSONResponse(snapshot(server.session, model=server.model_name, generating=bool(server.turns.running),
                                      waiting=server.turns.waiting, life_hit_pct=server.metrics.life_hit_pct,
-                                     tokens=server.metrics.tokens_total))
+                                     tokens=server.metrics.tokens_total, last=server.metrics.last_stats))
 
     app = Starlette(
         routes=[

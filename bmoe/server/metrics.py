@@ -69,6 +69,7 @@ class ServerMetrics:
         self.hit_pct.set(math.nan)
         self._hits = self._used = 0
         self.tokens_total = 0  # generated over the server's life (what /stats shows)
+        self.last_stats: Any = None  # the last generation that ended (the session's may be running)
 
     def record(self, stats: Any, usage: Any) -> None:
         """One finished (or cancelled) generation: its GenerationStats and Usage."""
@@ -79,6 +80,7 @@ class ServerMetrics:
             self.reused.inc(usage.prompt_reused)
         if stats is None:
             return
+        self.last_stats = stats
         self.prompt_eval.observe(stats.prefill_s)
         self.decode_seconds.inc(stats.decode_s)
         self.tok_per_s.set(math.nan if stats.tok_per_s is None else stats.tok_per_s)

@@ -24,8 +24,7 @@ def _num(value: float | None, digits: int = 3) -> float | None:
     return None if value is None or not math.isfinite(value) else round(value, digits)
 
 
-def _last(session: Session) -> dict[str, Any] | None:
-    s = session.last_stats
+def _last(s: Any) -> dict[str, Any] | None:
     if s is None:
         return None
     per_token = None if s.bytes_read is None or not s.generated_tokens else s.bytes_read / s.generated_tokens
@@ -40,7 +39,9 @@ def _last(session: Session) -> dict[str, Any] | None:
 
 
 def snapshot(session: Session | None, *, model: str | None, generating: bool, waiting: int,
-             life_hit_pct: float | None, tokens: float) -> dict[str, Any]:
+             life_hit_pct: float | None, tokens: float, last: Any) -> dict[str, Any]:
+    """``last``: the GenerationStats of the last generation that ended (the session's own
+    ``last_stats`` is the running one's, its figures not filled in yet)."""
     if session is None or session.closed:
         return {"model": model, "open": False}
     guard = session.pressure_guard
@@ -54,5 +55,5 @@ def snapshot(session: Session | None, *, model: str | None, generating: bool, wa
         "guard": None if guard is None else {
             "low_mib": _mib(settings.low), "high_mib": _mib(settings.high), "floor_mib": _mib(guard.floor),
             "ceiling_mib": _mib(guard.ceiling), "samples": guard.samples},
-        "last": _last(session),
+        "last": _last(last),
     }
