@@ -70,7 +70,14 @@ from pathlib import Path
 from typing import Any
 
 from bmoe.bench import side
-from bmoe.bench.balloon import Balloon, BalloonPlan, GiB, available_bytes, cgroup_room, plan_balloon
+from bmoe.bench.balloon import (
+    Balloon,
+    BalloonPlan,
+    GiB,
+    available_bytes,
+    cgroup_room,
+    plan_balloon,
+)
 from bmoe.bench.busy import Spinners
 from bmoe.bench.machine import machine_info
 from bmoe.bench.options import (
@@ -82,9 +89,15 @@ from bmoe.bench.options import (
     BenchOptions,
     int_list,
     mib_list,
+    stream_list,
 )
 from bmoe.bench.plan import Outcome, Run, plan_runs
-from bmoe.bench.report import key_figures_markdown, markdown_table, out_dir_for, write_report
+from bmoe.bench.report import (
+    key_figures_markdown,
+    markdown_table,
+    out_dir_for,
+    write_report,
+)
 from bmoe.bench.summary import Conditions, Probes, summarize
 from bmoe.errors import BmoeError
 from bmoe.io.iomax import IoMax
@@ -127,6 +140,11 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
                    help="N processes spinning on a core each beside the engine during the runs (a busy machine)")
     p.add_argument("--disk-limit", type=MIB_S, default=None, metavar="MiB/s",
                    help="the streamed runs read at most this many MiB/s (a slower disk; the report says how)")
+    p.add_argument("--streams", type=stream_list, default=(), metavar="N,...",
+                   help="measure batched decoding instead: N requests together per count (e.g. 1,2,4,8), "
+                        "aggregate tok/s, MiB read per token, equal tokens (bmoe.bench.streams)")
+    p.add_argument("--draft", choices=("none", "ngram"), default="none",
+                   help="with --streams: also n-gram drafts on a prompt with text to copy and one without")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="PNG path (default: in --out)")
     p.add_argument("--out", type=Path, default=None, metavar="DIR",
@@ -148,6 +166,12 @@ def run_bench_command(args: argparse.Namespace, host: Host | None = None) -> int
             for name in ("bench.md", "bench.csv", "bench.json", *(() if args.plot is not None else ("bench.png",))):
                 check_output(args.out / name, "--out", inputs)
     opts = BenchOptions.from_args(args).validate()
+    if opts.streams:
+        from bmoe.bench.streams import measure_streams, streams_markdown
+
+        study = measure_streams(opts, log=_stderr_log)
+        print(json.dumps(study, default=str) if args.json else streams_markdown(study))
+        return 0
     result = run_bench(opts, log=_stderr_log, host=host)
     if args.json:
         print(json.dumps(result, default=str))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from bmoe.argtypes import checked, plain
 from bmoe.bench.balloon import GiB
-from bmoe.engine.config import MAX_CTX
+from bmoe.engine.config import MAX_CTX, MAX_PARALLEL
 from bmoe.errors import ConfigError
 
 MiB = 1 << 20
@@ -57,6 +57,17 @@ def int_list(text: str) -> tuple[int, ...]:
 
 
 
+def stream_list(text: str) -> tuple[int, ...]:
+    """``--streams``: request counts, each 1..MAX_PARALLEL (0 is no count of requests)."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected stream counts separated by commas, got {text!r}") from None
+    if not values or any(not 1 <= v <= MAX_PARALLEL for v in values):
+        raise argparse.ArgumentTypeError(f"stream counts must be 1..{MAX_PARALLEL}, got {text!r}")
+    return values
+
+
 @dataclass(frozen=True)
 class BenchOptions:
     model: Path
@@ -77,6 +88,9 @@ class BenchOptions:
     rounds: int = 1  # every configuration this many times, interleaved (A B C A B C ...)
     busy: int = 0  # spinning processes beside the engine during the measured runs
     disk_limit_mib_s: float | None = None  # the streamed runs' read lanes land at most this many MiB/s
+    # The streams study instead of the configurations (bmoe.bench.streams): stream counts, drafts.
+    streams: tuple[int, ...] = ()
+    draft: str = "none"
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> BenchOptions:
@@ -88,6 +102,7 @@ class BenchOptions:
             squeeze_bytes=None if args.squeeze is None else int(args.squeeze * GiB),
             budgets_mib=tuple(args.budgets), ttft_lengths=tuple(args.ttft),
             rounds=args.rounds, busy=args.busy, disk_limit_mib_s=args.disk_limit,
+            streams=tuple(args.streams), draft=args.draft,
         )
 
     def validate(self) -> BenchOptions:
@@ -109,6 +124,10 @@ class BenchOptions:
                                                       and 0 < self.disk_limit_mib_s <= MAX_DISK_LIMIT):
             raise ConfigError(f"--disk-limit must be above 0 and at most {MAX_DISK_LIMIT} MiB/s, "
                               f"got {self.disk_limit_mib_s}")
+        if any(not 1 <= b <= MAX_PARALLEL for b in self.streams):
+            raise ConfigError(f"--streams counts must be 1..{MAX_PARALLEL}, got {','.join(map(str, self.streams))}")
+        if self.draft != "none" and not self.streams:
+            raise ConfigError("--draft measures drafts beside --streams: give --streams too (e.g. --streams 1)")
         if not 16 <= self.n_ctx <= MAX_CTX:
             raise ConfigError(f"the runs need a context of {self.n_ctx} tokens (--ctx, or the longest --ttft prompt "
                               f"plus --tokens); at most {MAX_CTX}")
