@@ -328,12 +328,20 @@ def list_archs() -> str:
     lines = []
     for arch in sorted(RECIPES):
         r = RECIPES[arch]
-        notes = ["fused or split gate/up" if len(r.layouts) > 1 else "split gate/up" if r.layouts[0][0] != "ffn_gate_up_exps" else "fused gate/up"]
+        fused = any("ffn_gate_up_exps" in layout for layout in r.layouts)
+        split = any("ffn_gate_exps" in layout for layout in r.layouts)
+        notes = ["fused or split gate/up" if fused and split else "fused gate/up" if fused else "split gate/up"]
         if r.recurrent:
             notes.append("hybrid recurrent")
+        if any("ffn_gate_exps" not in layout and "ffn_gate_up_exps" not in layout for layout in r.layouts):
+            notes.append("gate experts optional")
         if r.width_key != "expert_feed_forward_length":
             notes.append(f"experts sized by {r.width_key}")
-        lines.append(f"{arch:<12} " + ", ".join(notes))
+        if r.mla:
+            notes.append("latent attention (MLA)")
+        if r.gating_required:
+            notes.append("expert_gating_func required")
+        lines.append(f"{arch:<14} " + ", ".join(notes))
     return "\n".join(lines)
 
 
