@@ -234,3 +234,30 @@ def test_each_sequence_keeps_its_own_grammar_and_logprobs(tiny) -> None:
     assert a.text.isdigit() and len(a.tokens) == 8
     assert b.logprobs is not None and len(b.logprobs) == 8
     assert max(figures.batch_sizes) == 2
+
+
+def test_sync_sessions_from_threads_share_steps(tiny) -> None:
+    """SyncSession from several threads: the generations meet on its loop and share steps."""
+    import threading
+
+    from bmoe.engine.sync import SyncSession
+
+    path = tiny.path(FAMILIES["qwen3moe"])
+    want, _ = schedule(path, resident(parallel=2), prompts=PROMPTS[:2])
+    out: dict[int, list[int]] = {}
+    with SyncSession.open(path, resident(parallel=2)) as s:
+        start = threading.Barrier(2)
+
+        def worker(i: int) -> None:
+            start.wait()
+            out[i] = s.generate(PROMPTS[i], N, stop_at_end=False).tokens
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        shared = max(s.session.scheduler.figures.batch_sizes)
+    assert shared == 2, "the two threads' generations never shared a step"
+    # Arrival order between threads is not fixed: each sequence's tokens are still its own.
+    assert sorted([out[0], out[1]]) == sorted(want) or (out[0], out[1]) == tuple(want)
