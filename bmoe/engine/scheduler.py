@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -95,6 +96,7 @@ class StepFigures:
     decode_tokens: int = 0  # tokens that went through decode steps (drafts included)
     emitted_tokens: int = 0  # tokens handed to the sequences (what drafts add counts here)
     batch_sizes: list[int] = field(default_factory=list)  # sequences per decode step (last 4096)
+    batch_counts: dict[int, int] = field(default_factory=dict)  # sequences per decode step -> steps, ever
     decode_wall_s: float = 0.0
     prompt_wall_s: float = 0.0
     # Streamed runs: expert bytes read and time the compute thread waited for reads, decode steps
@@ -112,6 +114,7 @@ class StepFigures:
         self.emitted_tokens += emitted
         self.decode_wall_s += wall_s
         self.batch_sizes.append(n_seqs)
+        self.batch_counts[n_seqs] = self.batch_counts.get(n_seqs, 0) + 1
         if len(self.batch_sizes) > 4096:
             del self.batch_sizes[:2048]
 
@@ -145,6 +148,7 @@ class _Seq:
         self.done = False
         self.cancelled = False
         self.stats = host._new_stats(len(prompt))
+        self.arrived = time.monotonic()
         self.start = None  # pipeline counters when it joined
         drafts = host.config.draft == "ngram" and forced is None
         self.drafter = NgramDrafter(host.config.draft_max) if drafts else None
@@ -359,6 +363,7 @@ class Scheduler:
             if choice is not None:
                 seq.stats.prefill_strategy, seq.stats.prefill_reason = choice.strategy, choice.reason
             seq.start = self.host._counters()
+            seq.stats.queue_s = time.monotonic() - seq.arrived
             self._active.append(seq)
 
     def _pick(self, prompt: list[int]) -> Slot:

@@ -82,6 +82,8 @@ class GenerationStats:
     # above cover every step this generation took part in, the others' tokens included.
     draft_tokens: int | None = None
     draft_accepted: int | None = None
+    # Sequences decoded together (``parallel``): seconds this generation waited for a free slot.
+    queue_s: float | None = None
 
     def add_counters(self, c: Counters) -> None:
         self.slices_read, self.bytes_read, self.read_busy_s = c.slices, c.bytes_read, c.busy_s
