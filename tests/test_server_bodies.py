@@ -133,3 +133,16 @@ def test_a_404_does_not_echo_a_long_model_name_whole(tiny) -> None:
         r = httpx.get(f"{url}/v1/models/{'m' * 10_000}", timeout=GUARD_S)
         assert r.status_code == 404 and len(r.text) < 500, len(r.text)
         assert r.json()["error"]["code"] == "model_not_found" and "mmm..." in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("body", [
+    b'{"prompt": "hi", "user": "a\xed\xa0\x80b"}',  # a surrogate in raw UTF-8 (json.loads lets it through)
+    '{"prompt": "hi", "user": "a\ud800b"}'.encode("utf-16", "surrogatepass"),  # json.loads reads UTF-16 too
+    b'{"prompt": "hi", "user": "a\\uDBFFb"}',
+])
+def test_the_byte_scan_that_spares_the_tree_walk_misses_no_surrogate(tiny, body: bytes) -> None:
+    """Large flat bodies skip the walk in Python (their bytes show nothing it could refuse): a
+    surrogate however spelt must still be a 400 (in a field the engine never sees, here)."""
+    with serving(tiny) as url:
+        r = post(url, "/v1/completions", body)
+        assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text
