@@ -69,6 +69,7 @@ SPECS = {
     "deepseek2-ocr": TinySpec(arch="deepseek2-ocr", wtype="q8_0", fuse_gate_up=True, **W),  # MHA, rope base 10000
     "exaone-moe": TinySpec(arch="exaone-moe", wtype="f16", **W),  # sliding windows, a shared expert
     "laguna": TinySpec(arch="laguna", wtype="q8_0", **W),  # a per-head attention gate, a shared expert
+    "granite_swa": TinySpec(arch="granite_swa", wtype="f16", fuse_gate_up=True, **W),  # sinks, windows
 }
 EVICTING = MiB  # the smallest budget RunConfig takes
 

@@ -250,6 +250,12 @@ RECIPES: dict[str, Recipe] = {
         # Laguna: an attention output gate per head (or per element: any other width aborts the
         # loader), leading dense blocks, one shared expert, exp_probs_b required.
         Recipe("laguna", required_keys=_keys(EXPERT_WIDTH, "leading_dense_block_count"), plain_attention=True),
+        # Granite 4 with sliding windows: attention sinks (F32), windows by a per-block pattern, fused
+        # or split gate/up sized by feed_forward_length, a shared expert with gate and up fused.
+        Recipe("granite_swa", (SPLIT, FUSED), _keys(FFN_WIDTH, "logit_scale", "attention.sliding_window",
+                                                    "attention.sliding_window_pattern"),
+               width_key=FFN_WIDTH, user_open_fuses=True, full_rope=True, plain_attention=True,
+               f32_suffixes=("attn_sinks.weight",)),
         # Its graph always builds a sliding-window input: no window (absent or 0) is a segfault.
         Recipe("afmoe", required_keys=_keys(EXPERT_WIDTH, "expert_shared_count", "attention.sliding_window"),
                plain_attention=True, positive_keys=("attention.sliding_window",)),

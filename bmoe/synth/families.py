@@ -898,6 +898,31 @@ def _laguna_keys(w: GGUFWriter, b: _Builder) -> None:
     _gating(w, a)
 
 
+# --- granite_swa (Granite 4 with sliding windows): sinks, a fused-up shared expert ------------------
+
+
+def _granite_swa_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "attn_norm.weight", E)
+    _attn(b, p, norms=False)
+    b.f32(p + "attn_sinks.weight", (b.n_head,), SMALL_STD)  # F32: the softmax kernel asserts it
+    b.ones(p + "ffn_norm.weight", E)
+    _router(b, p)
+    b.experts(p)
+    b.mat(p + "ffn_up_shexp.weight", (2 * b.F_shexp, E), E ** -0.5)  # gate and up in one
+    b.mat(p + "ffn_down_shexp.weight", (E, b.F_shexp), b.F_shexp ** -0.5)
+
+
+def _granite_swa_keys(w: GGUFWriter, b: _Builder) -> None:
+    a, n = "granite_swa", b.spec.n_layer
+    w.add_uint32(f"{a}.feed_forward_length", b.F)  # the experts' width on this arch
+    w.add_uint32(f"{a}.expert_shared_feed_forward_length", b.F_shexp)
+    for key, value in GRANITE_SCALES:
+        w.add_float32(f"{a}.{key}", value)
+    w.add_uint32(f"{a}.attention.sliding_window", b.x["sliding_window"])
+    w.add_array(f"{a}.attention.sliding_window_pattern", [il % 2 == 0 and il != n - 1 for il in range(n)])
+
+
 FAMILIES: dict[str, Family] = {
     f.arch: f
     for f in (
@@ -956,6 +981,8 @@ FAMILIES: dict[str, Family] = {
         Family("exaone-moe", _exaone_layer, _exaone_keys, min_layers=2, default_layers=4,
                extra=(("sliding_window", 128),)),
         Family("laguna", _laguna_layer, _laguna_keys, min_layers=2, default_layers=3),
+        Family("granite_swa", _granite_swa_layer, _granite_swa_keys, min_layers=2, fuses_gate_up=True,
+               extra=(("sliding_window", 128),)),
         Family("afmoe", _afmoe_layer, _afmoe_keys, min_layers=2, default_layers=4,
                extra=(("n_shared", 1), ("sliding_window", 128))),
     )
