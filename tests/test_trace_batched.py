@@ -50,3 +50,22 @@ def test_real_routing_union_shares() -> None:
         evs = [e for e in t.batched(n).layer_events() if e.phase == 1]
         shares.append(round(sum(len(e.experts) for e in evs) / (len(evs) * n * t.n_expert_used), 2))
     assert shares == [0.88, 0.73, 0.56]
+
+
+def test_replay_streams_what_if(tmp_path: Path) -> None:
+    """``bmoe replay --streams 2``: half the steps, each routing the union of two tokens."""
+    import json
+
+    from tests.helpers import cli
+
+    path = tmp_path / "t.route.csv"
+    _decode(path, [[1, 2], [3, 4], [1, 5], [6, 7]])
+    one = cli("replay", path, "--cache-mb", "0", "--io", "sim", "--json")
+    two = cli("replay", path, "--cache-mb", "0", "--io", "sim", "--json", "--streams", "2")
+    assert one.returncode == 0 and two.returncode == 0, two.stderr
+    r1, r2 = json.loads(one.stdout), json.loads(two.stdout)
+    assert "--streams 2" in r2["how"]
+    assert r1["results"][0]["bytes_read"] == 10 * 100  # the prompt's 2 experts and 4 tokens' 2
+    assert r2["results"][0]["bytes_read"] == 7 * 100  # steps {1,2,5} and {3,4,6,7}: expert 1 read once
+    bad = cli("replay", path, "--cache-mb", "0", "--io", "sim", "--streams", "8")
+    assert bad.returncode == 1 and "fewer than 8 streams" in bad.stderr

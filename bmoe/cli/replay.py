@@ -41,6 +41,9 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
     options.IO_THREADS.add(p, help="read lanes, real or modelled")
     p.add_argument("--overlap", type=_overlaps, default=["none"],
                    help="none,tensor,expert: modelled overlap of reads with the expert matmuls (default: none)")
+    p.add_argument("--streams", type=_number(int, 1, 64, "a number of streams"), default=1,
+                   help="what-if for the step scheduler: the trace's decode as this many concurrent streams, "
+                        "each step routing the union of one token of each (default: 1, the trace as recorded)")
     p.add_argument("--compute-ms-per-layer", type=_number(float, 0, 1e6, "milliseconds"), default=1.0,
                    help="modelled compute per layer when the trace has no timings")
     p.add_argument("--json", action="store_true",
@@ -100,6 +103,11 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     if timing == "model" and io == "real":
         raise ConfigError("--timing model computes the reads' time: use it with --io sim (--io real measures)")
     trace = read_trace(args.trace)
+    if args.streams > 1:
+        try:
+            trace = trace.batched(args.streams)
+        except ValueError as exc:
+            raise ConfigError(f"--streams {args.streams}: {exc}") from None
     layout = open_layout(args.model) if io == "real" else None
     compute = ComputeModel(trace.timing, args.compute_ms_per_layer / 1e3)
     results = []
@@ -128,6 +136,11 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     how = (f"compute: {compute.describe()}; reads: {results[0]['io'] if results else io}; hit % = hits / "
            f"(hits + experts read) per layer event, decode phase and all phases; tok/s = decode tokens "
            f"over {clock}")
+    if args.streams > 1:
+        how += (f"; --streams {args.streams}: each decode step holds one token of each of {args.streams} streams cut "
+                f"from the trace's decode (prefill left out), so a step's reads are their union and tok/s counts "
+                f"steps: {args.streams} tokens each; a step's compute is modelled as one token's (optimistic: "
+                f"measure it with bmoe bench --streams)")
     if args.csv is not None:
         _write_rows(args.csv, results)
     if args.plot is not None:
