@@ -70,6 +70,7 @@ SPECS = {
     "exaone-moe": TinySpec(arch="exaone-moe", wtype="f16", **W),  # sliding windows, a shared expert
     "laguna": TinySpec(arch="laguna", wtype="q8_0", **W),  # a per-head attention gate, a shared expert
     "granite_swa": TinySpec(arch="granite_swa", wtype="f16", fuse_gate_up=True, **W),  # sinks, windows
+    "mimo2": TinySpec(arch="mimo2", wtype="q8_0", **W),  # optional tensors: a dense block, sinks, windows
 }
 EVICTING = MiB  # the smallest budget RunConfig takes
 
@@ -130,6 +131,7 @@ EXPECTED_MOE_LAYERS = {
     "deepseek2-ocr": (1, 2),
     "exaone-moe": (1, 2, 3),
     "laguna": (1, 2),
+    "mimo2": (1, 2),
 }
 
 

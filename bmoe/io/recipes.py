@@ -256,6 +256,11 @@ RECIPES: dict[str, Recipe] = {
                                                     "attention.sliding_window_pattern"),
                width_key=FFN_WIDTH, user_open_fuses=True, full_rope=True, plain_attention=True,
                f32_suffixes=("attn_sinks.weight",)),
+        # MiMo-V2-Flash: every block tensor optional in the loader (dense or MoE by what a block
+        # holds), sinks resident (F32), windows by a per-block pattern; sigmoid routing.
+        Recipe("mimo2", required_keys=_keys(EXPERT_WIDTH, "attention.sliding_window",
+                                            "attention.sliding_window_pattern"),
+               plain_attention=True, f32_suffixes=("attn_sinks.weight",)),
         # Its graph always builds a sliding-window input: no window (absent or 0) is a segfault.
         Recipe("afmoe", required_keys=_keys(EXPERT_WIDTH, "expert_shared_count", "attention.sliding_window"),
                plain_attention=True, positive_keys=("attention.sliding_window",)),

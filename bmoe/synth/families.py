@@ -923,6 +923,25 @@ def _granite_swa_keys(w: GGUFWriter, b: _Builder) -> None:
     w.add_array(f"{a}.attention.sliding_window_pattern", [il % 2 == 0 and il != n - 1 for il in range(n)])
 
 
+# --- mimo2 (MiMo-V2-Flash): every tensor optional, dense or MoE by what a block holds; sinks --------
+
+
+def _mimo2_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    _attn(b, p, norms=False)
+    b.ones(p + "attn_norm.weight", E)
+    b.f32(p + "attn_sinks.weight", (b.n_head,), SMALL_STD)
+    b.ones(p + "ffn_norm.weight", E)
+    _lead_or_moe_ffn(b, p, il, None)  # a block with a router is MoE, the first dense
+
+
+def _mimo2_keys(w: GGUFWriter, b: _Builder) -> None:
+    a, n = "mimo2", b.spec.n_layer
+    w.add_uint32(f"{a}.feed_forward_length", b.F_dense)
+    w.add_uint32(f"{a}.attention.sliding_window", b.x["sliding_window"])
+    w.add_array(f"{a}.attention.sliding_window_pattern", [il % 2 == 0 and il != n - 1 for il in range(n)])
+
+
 FAMILIES: dict[str, Family] = {
     f.arch: f
     for f in (
@@ -983,6 +1002,7 @@ FAMILIES: dict[str, Family] = {
         Family("laguna", _laguna_layer, _laguna_keys, min_layers=2, default_layers=3),
         Family("granite_swa", _granite_swa_layer, _granite_swa_keys, min_layers=2, fuses_gate_up=True,
                extra=(("sliding_window", 128),)),
+        Family("mimo2", _mimo2_layer, _mimo2_keys, min_layers=2, default_layers=3, extra=(("sliding_window", 128),)),
         Family("afmoe", _afmoe_layer, _afmoe_keys, min_layers=2, default_layers=4,
                extra=(("n_shared", 1), ("sliding_window", 128))),
     )
