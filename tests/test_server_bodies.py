@@ -146,3 +146,18 @@ def test_the_byte_scan_that_spares_the_tree_walk_misses_no_surrogate(tiny, body:
     with serving(tiny) as url:
         r = post(url, "/v1/completions", body)
         assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text
+
+
+def test_a_body_that_never_comes_whole_is_a_408_and_gives_its_place_back(tiny) -> None:
+    """A client trickling bodies held every place (503 for all others) for as long as it liked."""
+    with serving(tiny, max_bodies=1, body_deadline_s=0.5) as url:
+        slow = begin(url, SMALL, 10)
+        got = b""
+        while b"\r\n" not in got:  # the server answers by itself: the rest never comes
+            part = slow.recv(4096)
+            assert part, "closed without a response"
+            got += part
+        slow.close()
+        assert int(got.split(b" ", 2)[1]) == 408, got
+        until(lambda: held(url) == 0)
+        assert post(url, "/v1/completions", SMALL).status_code == 200

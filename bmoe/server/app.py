@@ -78,6 +78,7 @@ IDLE_MEMORY_CHECK_S = 1.0  # between requests, how often the pressure guard look
 PREPARE_THREADS = 2  # requests parsed, checked and tokenized at once
 MAX_BODIES = 16  # requests being read, parsed or prepared at once; more get 503
 HELD_BODIES = 4  # the bytes of all bodies held at once: this many of the largest allowed
+BODY_DEADLINE_S = 60.0  # a body not whole by then is a 408 (its place and bytes given back)
 CONTEXT_FIX = "start the server with a larger -c/--ctx"
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -138,9 +139,10 @@ class _Gone(Exception):
     """The client went away before its whole body came (starlette's ClientDisconnect)."""
 
 
-async def _read_body(request: Request, limit: int, held: Held) -> bytearray:
+async def _read_body(request: Request, limit: int, held: Held, deadline_s: float) -> bytearray:
     """The body, counted in ``held`` as it comes (its declared length at once): 413 past
-    ``limit``, 503 past the server's bound on the bytes of all bodies held."""
+    ``limit``, 503 past the server's bound on the bytes of all bodies held, 408 when it has not
+    come whole within ``deadline_s`` (a client trickling its bodies kept every place taken)."""
     declared = request.headers.get("content-length")
     try:
         if declared is not None and declared.isdigit():
@@ -148,11 +150,14 @@ async def _read_body(request: Request, limit: int, held: Held) -> bytearray:
                 raise _BadRequest(413, f"the request body is larger than {limit} bytes")
             held.take(int(declared))
         body = bytearray()
-        async for part in request.stream():
-            body += part
-            if len(body) > limit:
-                raise _BadRequest(413, f"the request body is larger than {limit} bytes")
-            held.upto(len(body))
+        async with asyncio.timeout(deadline_s):
+            async for part in request.stream():
+                body += part
+                if len(body) > limit:
+                    raise _BadRequest(413, f"the request body is larger than {limit} bytes")
+                held.upto(len(body))
+    except TimeoutError:
+        raise _BadRequest(408, f"the request body did not come whole within {deadline_s:g} s") from None
     except BodiesFull as exc:
         raise _BadRequest.busy(str(exc)) from None
     except ClientDisconnect:
@@ -238,13 +243,15 @@ class _Server:
 
     def __init__(self, session: Session | None, opener: Callable[[], Session] | None, *, api_key: str | None,
                  max_waiting: int, max_body: int, model_name: str | None, max_bodies: int = MAX_BODIES,
-                 max_held_bytes: int | None = None, reuse_prompt: bool = True) -> None:
+                 max_held_bytes: int | None = None, reuse_prompt: bool = True,
+                 body_deadline_s: float = BODY_DEADLINE_S) -> None:
         self.session = session
         self._opener = opener
         self.api_key = api_key
         self.turns = Turns(max_waiting)
         self.max_body = max_body
         self.reuse_prompt = reuse_prompt  # False: no request reuses the context's prompt (--no-prompt-reuse)
+        self.body_deadline_s = body_deadline_s
         self.bodies = Bodies(max_bodies, max_held_bytes or HELD_BODIES * max_body)
         self.metrics = ServerMetrics(lambda: self.turns.waiting, self._budget_bytes, lambda: self.bodies.count)
         self.model_name = model_name
@@ -509,12 +516,12 @@ def create_app(
     api_key: str | None = None, max_waiting: int = 8, max_body: int = MAX_BODY_BYTES,
     model_name: str | None = None, on_ready: Callable[[Session], None] | None = None,
     max_bodies: int = MAX_BODIES, max_held_bytes: int | None = None, reuse_prompt: bool = True,
-    webui: bool = True, cors_origins: Sequence[str] = (),
+    webui: bool = True, cors_origins: Sequence[str] = (), body_deadline_s: float = BODY_DEADLINE_S,
 ) -> Starlette:
     """The ASGI application: around an open ``session`` (left open at shutdown), or opening
     ``model`` with ``config`` at startup (closed at shutdown). At most ``max_bodies`` requests are
     read and checked at once, their bodies ``max_held_bytes`` together (``HELD_BODIES`` bodies of
-    ``max_body`` bytes by default). ``reuse_prompt`` False: no request reuses the prompt the
+    ``max_body`` bytes by default), each whole within ``body_deadline_s``. ``reuse_prompt`` False: no request reuses the prompt the
     context holds (a request's own ``cache_prompt: false`` does so for itself). ``webui``: the chat
     page at ``/`` (a JSON 404 there without it). ``cors_origins``: the origins a browser may call
     the server from (``*``: any)."""
@@ -523,7 +530,7 @@ def create_app(
     opener = None if model is None else (lambda: Session.open(model, config))
     server = _Server(session, opener, api_key=api_key, max_waiting=max_waiting, max_body=max_body,
                      model_name=model_name, max_bodies=max_bodies, max_held_bytes=max_held_bytes,
-                     reuse_prompt=reuse_prompt)
+                     reuse_prompt=reuse_prompt, body_deadline_s=body_deadline_s)
 
     @contextlib.contextmanager
     def holding() -> Iterator[Held]:
@@ -539,7 +546,7 @@ def create_app(
         arrived = time.monotonic()
         try:
             with holding() as held:
-                body = await _read_body(request, server.max_body, held)
+                body = await _read_body(request, server.max_body, held, server.body_deadline_s)
                 prepared = await server.off_loop(server.parse_and_prepare, route, schema, body)
         except SessionClosedError as exc:
             server.metrics.requests.labels("unavailable").inc()
@@ -552,7 +559,7 @@ def create_app(
             if schema is None:
                 return JSONResponse(await server.off_loop(server.answer, fn, None, None))
             with holding() as held:
-                body = await _read_body(request, server.max_body, held)
+                body = await _read_body(request, server.max_body, held, server.body_deadline_s)
                 return JSONResponse(await server.off_loop(server.answer, fn, schema, body))
         except SessionClosedError as exc:
             return _error(503, str(exc), "server_error")
