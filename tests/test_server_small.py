@@ -94,3 +94,16 @@ def test_serve_flags_no_prompt_reuse_no_webui_and_a_bad_cors_origin(tiny) -> Non
         proc.terminate()
         err = proc.communicate(timeout=GUARD_S)[1]
     assert err.strip().splitlines()[-1] == "bmoe serve: stopped by SIGTERM", err
+
+
+@pytest.mark.pure
+def test_the_page_ships_as_package_data() -> None:
+    """An installed wheel (not only this checkout) must carry the page, or / is a 500 there."""
+    import tomllib
+    from importlib import resources
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert "server/webui.html" in pyproject["tool"]["setuptools"]["package-data"]["bmoe"]
+    page = (resources.files("bmoe.server") / "webui.html").read_text()
+    assert page.startswith("<!doctype html>") and "/v1/chat/completions" in page
