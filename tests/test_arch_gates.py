@@ -71,6 +71,7 @@ SPECS = {
     "laguna": TinySpec(arch="laguna", wtype="q8_0", **W),  # a per-head attention gate, a shared expert
     "granite_swa": TinySpec(arch="granite_swa", wtype="f16", fuse_gate_up=True, **W),  # sinks, windows
     "mimo2": TinySpec(arch="mimo2", wtype="q8_0", **W),  # optional tensors: a dense block, sinks, windows
+    "step35": TinySpec(arch="step35", wtype="f16", **W),  # + q/k norms, a per-head gate, a shared expert
 }
 EVICTING = MiB  # the smallest budget RunConfig takes
 
@@ -132,6 +133,7 @@ EXPECTED_MOE_LAYERS = {
     "exaone-moe": (1, 2, 3),
     "laguna": (1, 2),
     "mimo2": (1, 2),
+    "step35": (1, 2),
 }
 
 

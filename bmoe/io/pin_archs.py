@@ -48,6 +48,6 @@ LEFT_OUT: dict[str, str] = {
     **{arch: _NOT_YET for arch in (
         "dots3note", "glm5-next",
         "granitehybrid", "hy_v3", "hy_v4", "jamba",
-        "minimax-01", "minimax-m3", "qwen4exp", "step35",
+        "minimax-01", "minimax-m3", "qwen4exp",
     )},
 }

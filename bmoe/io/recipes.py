@@ -261,6 +261,10 @@ RECIPES: dict[str, Recipe] = {
         Recipe("mimo2", required_keys=_keys(EXPERT_WIDTH, "attention.sliding_window",
                                             "attention.sliding_window_pattern"),
                plain_attention=True, f32_suffixes=("attn_sinks.weight",)),
+        # Step-3.5-Flash: mimo2's optional-tensor scheme, q/k norms, a per-head attention gate, a
+        # shared expert, windows by a per-block pattern.
+        Recipe("step35", required_keys=_keys(EXPERT_WIDTH, "attention.sliding_window",
+                                             "attention.sliding_window_pattern"), plain_attention=True),
         # Its graph always builds a sliding-window input: no window (absent or 0) is a segfault.
         Recipe("afmoe", required_keys=_keys(EXPERT_WIDTH, "expert_shared_count", "attention.sliding_window"),
                plain_attention=True, positive_keys=("attention.sliding_window",)),

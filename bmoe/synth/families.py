@@ -942,6 +942,27 @@ def _mimo2_keys(w: GGUFWriter, b: _Builder) -> None:
     w.add_array(f"{a}.attention.sliding_window_pattern", [il % 2 == 0 and il != n - 1 for il in range(n)])
 
 
+# --- step35 (Step-3.5-Flash): mimo2's optional-tensor scheme with q/k norms, a per-head gate, shexp ---
+
+
+def _step35_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "attn_norm.weight", E)
+    _attn(b, p)
+    b.mat(p + "attn_gate.weight", (b.n_head, E), E ** -0.5)
+    b.ones(p + "ffn_norm.weight", E)
+    _lead_or_moe_ffn(b, p, il, b.F_shexp)
+
+
+def _step35_keys(w: GGUFWriter, b: _Builder) -> None:
+    a, n = "step35", b.spec.n_layer
+    w.add_uint32(f"{a}.feed_forward_length", b.F_dense)
+    w.add_uint32(f"{a}.expert_shared_feed_forward_length", b.F_shexp)
+    w.add_uint32(f"{a}.attention.sliding_window", b.x["sliding_window"])
+    w.add_array(f"{a}.attention.sliding_window_pattern", [il % 2 == 0 and il != n - 1 for il in range(n)])
+    _gating(w, a)
+
+
 FAMILIES: dict[str, Family] = {
     f.arch: f
     for f in (
@@ -1003,6 +1024,8 @@ FAMILIES: dict[str, Family] = {
         Family("granite_swa", _granite_swa_layer, _granite_swa_keys, min_layers=2, fuses_gate_up=True,
                extra=(("sliding_window", 128),)),
         Family("mimo2", _mimo2_layer, _mimo2_keys, min_layers=2, default_layers=3, extra=(("sliding_window", 128),)),
+        Family("step35", _step35_layer, _step35_keys, min_layers=2, default_layers=3,
+               extra=(("sliding_window", 128),)),
         Family("afmoe", _afmoe_layer, _afmoe_keys, min_layers=2, default_layers=4,
                extra=(("n_shared", 1), ("sliding_window", 128))),
     )
