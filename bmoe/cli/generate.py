@@ -122,4 +122,8 @@ def _summary(r: dict) -> str:
         )
         if r.get("drop_dropped_experts"):  # dropped misses leave the count: the rate is not the cache's alone
             line += f" of the experts not dropped ({r['drop_dropped_experts']} dropped)"
+    if r.get("draft_tokens") is not None:
+        kept = r["draft_accepted"] or 0
+        line += (f", drafts {kept}/{r['draft_tokens']} tokens kept"
+                 f" ({100.0 * kept / r['draft_tokens']:.0f}%)" if r["draft_tokens"] else ", drafts: nothing to copy")
     return line
