@@ -72,6 +72,7 @@ SPECS = {
     "granite_swa": TinySpec(arch="granite_swa", wtype="f16", fuse_gate_up=True, **W),  # sinks, windows
     "mimo2": TinySpec(arch="mimo2", wtype="q8_0", **W),  # optional tensors: a dense block, sinks, windows
     "step35": TinySpec(arch="step35", wtype="f16", **W),  # + q/k norms, a per-head gate, a shared expert
+    "hy_v3": TinySpec(arch="hy_v3", wtype="q8_0", fuse_gate_up=True, **W),  # optional tensors, fused gate/up
 }
 EVICTING = MiB  # the smallest budget RunConfig takes
 
@@ -134,6 +135,7 @@ EXPECTED_MOE_LAYERS = {
     "laguna": (1, 2),
     "mimo2": (1, 2),
     "step35": (1, 2),
+    "hy_v3": (1, 2),
 }
 
 

@@ -265,6 +265,10 @@ RECIPES: dict[str, Recipe] = {
         # shared expert, windows by a per-block pattern.
         Recipe("step35", required_keys=_keys(EXPERT_WIDTH, "attention.sliding_window",
                                              "attention.sliding_window_pattern"), plain_attention=True),
+        # Hunyuan next-gen (hy_v3): every block tensor optional (dense or MoE by what a block holds),
+        # fused or split gate/up, a shared expert, a selection bias; sigmoid routing by default.
+        Recipe("hy_v3", (SPLIT, FUSED), _keys(EXPERT_WIDTH), user_open_fuses=True, full_rope=True,
+               plain_attention=True),
         # Its graph always builds a sliding-window input: no window (absent or 0) is a segfault.
         Recipe("afmoe", required_keys=_keys(EXPERT_WIDTH, "expert_shared_count", "attention.sliding_window"),
                plain_attention=True, positive_keys=("attention.sliding_window",)),

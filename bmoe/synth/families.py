@@ -963,6 +963,30 @@ def _step35_keys(w: GGUFWriter, b: _Builder) -> None:
     _gating(w, a)
 
 
+# --- hy_v3 (Hunyuan next): optional tensors, a selection bias named without .bias, shared expert ------
+
+
+def _hy_v3_layer(b: _Builder, il: int) -> None:
+    p, E = f"blk.{il}.", b.E
+    b.ones(p + "attn_norm.weight", E)
+    _attn(b, p)
+    b.ones(p + "ffn_norm.weight", E)
+    if il < b.dense_lead:
+        _dense_ffn(b, p, b.F_dense)
+        return
+    _router(b, p)
+    b.f32(p + "exp_probs_b", (b.spec.n_expert,), SMALL_STD)  # this loader's name has no .bias
+    b.experts(p)
+    _shexp(b, p, b.F_shexp)
+
+
+def _hy_v3_keys(w: GGUFWriter, b: _Builder) -> None:
+    a = "hy_v3"
+    w.add_uint32(f"{a}.feed_forward_length", b.F_dense)
+    w.add_uint32(f"{a}.expert_shared_feed_forward_length", b.F_shexp)
+    _gating(w, a)
+
+
 FAMILIES: dict[str, Family] = {
     f.arch: f
     for f in (
@@ -1026,6 +1050,7 @@ FAMILIES: dict[str, Family] = {
         Family("mimo2", _mimo2_layer, _mimo2_keys, min_layers=2, default_layers=3, extra=(("sliding_window", 128),)),
         Family("step35", _step35_layer, _step35_keys, min_layers=2, default_layers=3,
                extra=(("sliding_window", 128),)),
+        Family("hy_v3", _hy_v3_layer, _hy_v3_keys, min_layers=2, default_layers=3, fuses_gate_up=True),
         Family("afmoe", _afmoe_layer, _afmoe_keys, min_layers=2, default_layers=4,
                extra=(("n_shared", 1), ("sliding_window", 128))),
     )
