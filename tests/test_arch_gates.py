@@ -73,6 +73,7 @@ SPECS = {
     "mimo2": TinySpec(arch="mimo2", wtype="q8_0", **W),  # optional tensors: a dense block, sinks, windows
     "step35": TinySpec(arch="step35", wtype="f16", **W),  # + q/k norms, a per-head gate, a shared expert
     "hy_v3": TinySpec(arch="hy_v3", wtype="q8_0", fuse_gate_up=True, **W),  # optional tensors, fused gate/up
+    "jamba": TinySpec(arch="jamba", wtype="f16", **W),  # mamba blocks (recurrent), MoE every other block
 }
 EVICTING = MiB  # the smallest budget RunConfig takes
 
@@ -136,6 +137,7 @@ EXPECTED_MOE_LAYERS = {
     "mimo2": (1, 2),
     "step35": (1, 2),
     "hy_v3": (1, 2),
+    "jamba": (1, 3),
 }
 
 

@@ -91,6 +91,8 @@ class Recipe:
     kda: bool = False
     # Keys the graph asserts to one value (deepseek2-ocr: rope.freq_base 10000): another aborts.
     exact_keys: tuple[tuple[str, float], ...] = ()
+    # Mamba blocks of jamba / granitehybrid: the loader asserts ssm.inner_size = 2 x embedding_length.
+    mamba_inner_twice_embd: bool = False
 
     @property
     def expert_suffixes(self) -> tuple[str, ...]:
@@ -269,6 +271,14 @@ RECIPES: dict[str, Recipe] = {
         # fused or split gate/up, a shared expert, a selection bias; sigmoid routing by default.
         Recipe("hy_v3", (SPLIT, FUSED), _keys(EXPERT_WIDTH), user_open_fuses=True, full_rope=True,
                plain_attention=True),
+        # Jamba: mamba blocks (0 KV heads, recurrent) and attention blocks; MoE where a block has a
+        # router, dense blocks as wide as the experts (feed_forward_length); the loader asserts
+        # ssm.inner_size = 2 x embedding_length.
+        Recipe("jamba", required_keys=_keys(FFN_WIDTH, "ssm.conv_kernel", "ssm.inner_size", "ssm.state_size",
+                                            "ssm.time_step_rank"),
+               width_key=FFN_WIDTH, recurrent=True, recurrent_marker="kv_heads", plain_attention=True,
+               positive_keys=("ssm.conv_kernel", "ssm.state_size", "ssm.time_step_rank"),
+               mamba_inner_twice_embd=True),
         # Its graph always builds a sliding-window input: no window (absent or 0) is a segfault.
         Recipe("afmoe", required_keys=_keys(EXPERT_WIDTH, "expert_shared_count", "attention.sliding_window"),
                plain_attention=True, positive_keys=("attention.sliding_window",)),

@@ -171,6 +171,10 @@ def _check_aborting_metadata(first: ShardIndex, recipe: Recipe) -> None:
         raise ModelFileError(f"{path}: {key('interleave_moe_layer_step')} is 0; llama.cpp aborts unless it is positive")
     if recipe.kda:
         _check_kda_gate(first, recipe)
+    inner, embd = _int_key(first, key("ssm.inner_size")), _int_key(first, key("embedding_length"))
+    if recipe.mamba_inner_twice_embd and inner is not None and embd is not None and inner != 2 * embd:
+        raise ModelFileError(f"{path}: {key('ssm.inner_size')} is {inner}; llama.cpp asserts twice "
+                             f"{key('embedding_length')} ({2 * embd})")
     for name, want in recipe.exact_keys:
         value = first.metadata.get(key(name))
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)

@@ -987,6 +987,55 @@ def _hy_v3_keys(w: GGUFWriter, b: _Builder) -> None:
     _gating(w, a)
 
 
+# --- jamba: mamba blocks (0 KV heads) and attention blocks, MoE every other block -------------------
+
+_JAMBA = (("d_state", 16), ("dt_rank", 16), ("d_conv", 4), ("moe_every", 2))
+
+
+def _jamba_attends(b: _Builder, il: int) -> bool:
+    return il == b.spec.n_layer - 1  # the last block attends, the others are mamba
+
+
+def _jamba_layer(b: _Builder, il: int) -> None:
+    p, E, x = f"blk.{il}.", b.E, b.x
+    inner, S, R, K = 2 * E, x["d_state"], x["dt_rank"], x["d_conv"]
+    b.ones(p + "attn_norm.weight", E)
+    if _jamba_attends(b, il):
+        _attn(b, p, norms=False)
+    else:
+        b.mat(p + "ssm_in.weight", (2 * inner, E), E ** -0.5)
+        b.f32(p + "ssm_conv1d.weight", (inner, K), K ** -0.5)
+        b.f32(p + "ssm_conv1d.bias", (inner,), SMALL_STD)
+        b.mat(p + "ssm_x.weight", (R + 2 * S, inner), inner ** -0.5)
+        b.ones(p + "ssm_dt_norm.weight", R)
+        b.mat(p + "ssm_dt.weight", (inner, R), R ** -0.5)
+        b.f32(p + "ssm_dt.bias", (inner,), SMALL_STD)
+        b.ones(p + "ssm_b_norm.weight", S)
+        b.ones(p + "ssm_c_norm.weight", S)
+        b.const(p + "ssm_a", (inner, S), -1.0)  # -exp(A_log): a decaying state
+        b.ones(p + "ssm_d", inner)
+        b.mat(p + "ssm_out.weight", (E, inner), inner ** -0.5)
+    b.ones(p + "ffn_norm.weight", E)
+    if (il + 1) % x["moe_every"] == 0:
+        _router(b, p)
+        b.experts(p)
+    else:
+        _dense_ffn(b, p, b.F)  # dense blocks share the experts' width (feed_forward_length)
+
+
+def _jamba_keys(w: GGUFWriter, b: _Builder) -> None:
+    a, x = "jamba", b.x
+    w.add_uint32(f"{a}.feed_forward_length", b.F)
+    w.add_uint32(f"{a}.ssm.conv_kernel", x["d_conv"])
+    w.add_uint32(f"{a}.ssm.inner_size", 2 * b.E)
+    w.add_uint32(f"{a}.ssm.state_size", x["d_state"])
+    w.add_uint32(f"{a}.ssm.time_step_rank", x["dt_rank"])
+
+
+def _jamba_overrides(b: _Builder) -> dict[str, Any]:
+    return {"n_head_kv": [b.n_head_kv if _jamba_attends(b, il) else 0 for il in range(b.spec.n_layer)]}
+
+
 FAMILIES: dict[str, Family] = {
     f.arch: f
     for f in (
@@ -1051,6 +1100,8 @@ FAMILIES: dict[str, Family] = {
         Family("step35", _step35_layer, _step35_keys, min_layers=2, default_layers=3,
                extra=(("sliding_window", 128),)),
         Family("hy_v3", _hy_v3_layer, _hy_v3_keys, min_layers=2, default_layers=3, fuses_gate_up=True),
+        Family("jamba", _jamba_layer, _jamba_keys, min_layers=2, default_layers=4, overrides=_jamba_overrides,
+               gate_optional=False, extra=_JAMBA),
         Family("afmoe", _afmoe_layer, _afmoe_keys, min_layers=2, default_layers=4,
                extra=(("n_shared", 1), ("sliding_window", 128))),
     )

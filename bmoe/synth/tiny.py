@@ -239,8 +239,9 @@ class _Builder:
     def ones(self, name: str, n: int) -> None:
         self.const(name, n, 1.0)
 
-    def const(self, name: str, n: int, value: float) -> None:
-        self.out.append(_Tensor(name, (n,), GGMLQuantizationType.F32, _const((n,), value)))
+    def const(self, name: str, n: int | tuple[int, ...], value: float) -> None:
+        shape = n if isinstance(n, tuple) else (n,)
+        self.out.append(_Tensor(name, shape, GGMLQuantizationType.F32, _const(shape, value)))
 
     def experts(self, p: str, qtype: GGMLQuantizationType | None = None) -> None:
         E, F, N, seed = self.E, self.F, self.spec.n_expert, self.spec.seed
