@@ -244,16 +244,18 @@ class _Server:
     def __init__(self, session: Session | None, opener: Callable[[], Session] | None, *, api_key: str | None,
                  max_waiting: int, max_body: int, model_name: str | None, max_bodies: int = MAX_BODIES,
                  max_held_bytes: int | None = None, reuse_prompt: bool = True,
-                 body_deadline_s: float = BODY_DEADLINE_S) -> None:
+                 body_deadline_s: float = BODY_DEADLINE_S, slots: int = 1) -> None:
         self.session = session
         self._opener = opener
         self.api_key = api_key
-        self.turns = Turns(max_waiting)
+        # As many generations at once as the session decodes together (RunConfig.parallel).
+        self.turns = Turns(max_waiting, slots)
         self.max_body = max_body
         self.reuse_prompt = reuse_prompt  # False: no request reuses the context's prompt (--no-prompt-reuse)
         self.body_deadline_s = body_deadline_s
         self.bodies = Bodies(max_bodies, max_held_bytes or HELD_BODIES * max_body)
-        self.metrics = ServerMetrics(lambda: self.turns.waiting, self._budget_bytes, lambda: self.bodies.count)
+        self.metrics = ServerMetrics(lambda: self.turns.waiting, self._budget_bytes, lambda: self.bodies.count,
+                                     self._step_figures)
         self.model_name = model_name
         self.created = int(time.time())
         self.stopping = False
@@ -263,6 +265,24 @@ class _Server:
         # flood of 4 MiB prompts queues here rather than taking every core), and the shutdown
         # waits for them before the model they tokenize with is freed.
         self._preparing = concurrent.futures.ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="bmoe-prepare")
+
+    def _step_figures(self) -> Any:
+        """The step loop's figures for /metrics (None: no model open, or no step loop)."""
+        session = self.session
+        return None if session is None or session.closed or session.scheduler is None else session.scheduler.figures
+
+    def slots(self) -> list[dict[str, Any]]:
+        """What each sequence slot does (``/slots``, as llama-server's): one slot per sequence the
+        session decodes together."""
+        session = self.session
+        if session is None or session.closed:
+            raise SessionClosedError("the model is not open")
+        if session.scheduler is not None:
+            view = session.scheduler.slot_view()
+        else:
+            view = [{"id": 0, "state": "generating" if self.turns.running else "idle", "n_cached": None,
+                     "n_prompt": None, "n_decoded": None}]
+        return [{**v, "is_processing": v["state"] != "idle", "n_ctx": session.n_ctx_seq} for v in view]
 
     def _budget_bytes(self) -> float:
         """The cache budget now, for /metrics (NaN: no model open, or no cache)."""
@@ -399,11 +419,14 @@ class _Generation(Response):
             while (await receive())["type"] != "http.disconnect":
                 pass
             state["gone"] = True
-            if state["turn"]:
-                if server.session is not None:
-                    server.session.cancel()  # ours is the running generation: stop it at its next MoE layer
+            session = server.session
+            if state["turn"] and session is not None and session.scheduler is None:
+                session.cancel()  # ours is the running generation: stop it at its next MoE layer
             elif me is not None:
-                me.cancel()  # still waiting: give up the place
+                # Still waiting: give up the place. Or one sequence of several: cancelling this
+                # task closes its stream, and the step loop lets it go at the next step; the
+                # others go on.
+                me.cancel()
 
         listener = asyncio.create_task(listen())
         outcome = "ok"
@@ -528,9 +551,10 @@ def create_app(
     if (session is None) == (model is None):
         raise ConfigError("give the server either an open session or a model path")
     opener = None if model is None else (lambda: Session.open(model, config))
+    slots = (session.config if session is not None else config or RunConfig()).parallel
     server = _Server(session, opener, api_key=api_key, max_waiting=max_waiting, max_body=max_body,
                      model_name=model_name, max_bodies=max_bodies, max_held_bytes=max_held_bytes,
-                     reuse_prompt=reuse_prompt, body_deadline_s=body_deadline_s)
+                     reuse_prompt=reuse_prompt, body_deadline_s=body_deadline_s, slots=slots)
 
     @contextlib.contextmanager
     def holding() -> Iterator[Held]:
@@ -569,6 +593,12 @@ def create_app(
 
     async def detokenize(request: Request) -> Response:
         return await asking(request, llama_routes.detokenize, llama_routes.DetokenizeRequest)
+
+    async def slots(_: Request) -> Response:
+        try:
+            return JSONResponse(server.slots())
+        except SessionClosedError as exc:
+            return _error(503, str(exc), "server_error")
 
     async def props(request: Request) -> Response:
         return await asking(request, lambda s, _: llama_routes.props(s, model_name=server.model_name,
@@ -689,6 +719,7 @@ def create_app(
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/props", props, methods=["GET"]),
+            Route("/slots", slots, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/stats", stats, methods=["GET"]),
             *([Route("/", page, methods=["GET"])] if webui else []),

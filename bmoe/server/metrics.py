@@ -23,7 +23,11 @@ from prometheus_client import (
     generate_latest,
 )
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
 disable_created_metrics()
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # sequences per decode step
+MiB = 1 << 20
 # Seconds: from a local answer in a blink to a model bigger than RAM evaluating a long prompt.
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
@@ -32,8 +36,9 @@ class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, queue_depth: Callable[[], float], budget_bytes: Callable[[], float] = lambda: math.nan,
-                 bodies_held: Callable[[], float] = lambda: 0) -> None:
+                 bodies_held: Callable[[], float] = lambda: 0, steps: Callable[[], Any] = lambda: None) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        r.register(_StepCollector(steps))
         self.requests = Counter("bmoe_requests", "Completion requests by outcome", ["outcome"], registry=r)
         self.generated = Counter("bmoe_completion_tokens", "Tokens generated", registry=r)
         self.prompt = Counter("bmoe_prompt_tokens", "Prompt tokens received", registry=r)
@@ -60,6 +65,9 @@ class ServerMetrics:
         self.first_token = Histogram("bmoe_first_token_seconds",
                                      "Completion requests: arrival to the first generated token (waiting included)",
                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("bmoe_queue_seconds",
+                                    "Sequences decoded together (--parallel): each generation's wait for a free slot",
+                                    buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_eval = Histogram("bmoe_prompt_eval_seconds", "Prompt evaluation (prefill) of each generation",
                                      buckets=LATENCY_BUCKETS, registry=r)
         self.queue.set_function(queue_depth)
@@ -82,8 +90,14 @@ class ServerMetrics:
             return
         self.last_stats = stats
         self.prompt_eval.observe(stats.prefill_s)
-        self.decode_seconds.inc(stats.decode_s)
         self.tok_per_s.set(math.nan if stats.tok_per_s is None else stats.tok_per_s)
+        if stats.queue_s is not None:
+            # One of several sequences: its pipeline counters cover every step it shared with the
+            # others, so they would be counted once per sequence; the step loop's own totals
+            # (bmoe_step_*) count them once.
+            self.queue_time.observe(stats.queue_s)
+            return
+        self.decode_seconds.inc(stats.decode_s)
         if stats.bytes_read is not None:
             self.bytes_read.inc(stats.bytes_read)
         if stats.blocked_s is not None:
@@ -102,3 +116,40 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _StepCollector:
+    """The step loop's totals (``bmoe.engine.scheduler.StepFigures``), read at each scrape: decode
+    steps by how many sequences they held, tokens they gave, expert bytes they read and MiB read
+    per generated token. Nothing while no step loop runs (``--parallel 1`` without drafts)."""
+
+    def __init__(self, figures: Callable[[], Any]) -> None:
+        self._figures = figures
+
+    def describe(self) -> list:
+        return []  # the families exist only with a step loop: nothing to announce up front
+
+    def collect(self):  # noqa: ANN201 - prometheus metric families
+        f = self._figures()
+        if f is None:
+            return
+        counts = f.batch_counts
+        buckets, running = [], 0
+        for edge in BATCH_BUCKETS:
+            running = sum(n for size, n in counts.items() if size <= edge)
+            buckets.append((str(edge), running))
+        total = sum(counts.values())
+        buckets.append(("+Inf", total))
+        h = HistogramMetricFamily("bmoe_step_batch_size", "Sequences per decode step (--parallel)")
+        h.add_metric([], buckets, sum_value=sum(size * n for size, n in counts.items()))
+        yield h
+        yield CounterMetricFamily("bmoe_step_decode_tokens", "Tokens given by decode steps (drafts kept included)",
+                                  value=f.emitted_tokens)
+        yield CounterMetricFamily("bmoe_step_prompt_steps", "Prompt chunks evaluated by the step loop",
+                                  value=f.prompt_steps)
+        read = f.decode_bytes_read
+        yield CounterMetricFamily("bmoe_step_expert_bytes_read", "Expert bytes read by decode steps (streamed)",
+                                  value=math.nan if read is None else read)
+        per = read / MiB / f.emitted_tokens if read is not None and f.emitted_tokens else math.nan
+        yield GaugeMetricFamily("bmoe_mib_read_per_token", "Expert MiB read per generated token, decode steps, ever",
+                                value=per)

@@ -107,6 +107,11 @@ def serve(model: str | Path, config: RunConfig, *, host: str = "127.0.0.1", port
             page = f", chat page http://{where}:{bound}/," if webui else ""
             print(f"bmoe serve: {session.model_name}{page} on http://{where}:{bound}/v1"
                   f"{' (API key required)' if api_key else ''}", file=sys.stderr, flush=True)
+            n = session.config.parallel
+            print(f"bmoe serve: {n} sequence{'s' if n > 1 else ''} decoded together ({session.n_ctx_seq} tokens of "
+                  f"context each; --parallel N changes it)" if n > 1 else
+                  "bmoe serve: one generation at a time (--parallel N decodes N requests together)",
+                  file=sys.stderr, flush=True)
 
     kw = {} if max_body is None else {"max_body": max_body}
     app = create_app(session, api_key=api_key, max_waiting=max_waiting, on_ready=ready, reuse_prompt=reuse_prompt,
