@@ -321,8 +321,13 @@ class Session:
             )
         if self._scheduler is not None:  # many sequences or drafts: the step loop decodes it
             reuse = self.config.reuse_prompt if reuse_prompt is None else reuse_prompt
-            async for piece in self._scheduler.stream(tokens, max_tokens, sampling, stops, stop_at_end, forced, reuse):
-                yield piece  # type: ignore[misc]
+            # Closed explicitly with this stream: a consumer that stops reading frees its sequence now,
+            # not when the garbage collector gets to the inner generator.
+            async with contextlib.aclosing(
+                self._scheduler.stream(tokens, max_tokens, sampling, stops, stop_at_end, forced, reuse),
+            ) as pieces:
+                async for piece in pieces:
+                    yield piece
             return
         if self._lock is None:
             self._lock = asyncio.Lock()
