@@ -74,6 +74,7 @@ SPECS = {
     "step35": TinySpec(arch="step35", wtype="f16", **W),  # + q/k norms, a per-head gate, a shared expert
     "hy_v3": TinySpec(arch="hy_v3", wtype="q8_0", fuse_gate_up=True, **W),  # optional tensors, fused gate/up
     "jamba": TinySpec(arch="jamba", wtype="f16", **W),  # mamba blocks (recurrent), MoE every other block
+    "granitehybrid": TinySpec(arch="granitehybrid", wtype="q8_0", **W),  # mamba2 blocks, every block MoE
 }
 EVICTING = MiB  # the smallest budget RunConfig takes
 

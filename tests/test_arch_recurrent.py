@@ -24,7 +24,8 @@ DECODE_STEP = 4  # well past the prompt: the state has been advanced token by to
 
 
 def test_the_hybrid_families_are_covered() -> None:
-    assert set(HYBRID) == {"qwen35moe", "qwen3next", "lfm2moe", "bailingmoe3", "kimi-linear", "jamba"}
+    assert set(HYBRID) == {"qwen35moe", "qwen3next", "lfm2moe", "bailingmoe3", "kimi-linear", "jamba",
+                            "granitehybrid"}
 
 
 @pytest.mark.asyncio

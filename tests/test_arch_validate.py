@@ -115,6 +115,8 @@ FAULTS = [
     ("laguna-gate-width", TinySpec(arch="laguna"), set_u32("laguna.attention.head_count", 8),
      "the laguna metadata says"),
     ("jamba-inner-size", TinySpec(arch="jamba"), set_u32("jamba.ssm.inner_size", 128), "asserts twice"),
+    ("granitehybrid-inner-size", TinySpec(arch="granitehybrid"), set_u32("granitehybrid.ssm.inner_size", 128),
+     "asserts twice"),
     ("ling3-conv-kernel-zero", TinySpec(arch="bailingmoe3"), set_u32("bailingmoe3.ssm.conv_kernel", 0),
      "ssm.conv_kernel' is 0"),
     ("granite-logit-scale-zero", TinySpec(arch="granitemoe"),

@@ -47,7 +47,7 @@ LEFT_OUT: dict[str, str] = {
     "nemotron_h": "dense; its MoE files are nemotron_h_moe",
     **{arch: _NOT_YET for arch in (
         "dots3note", "glm5-next",
-        "granitehybrid", "hy_v4",
+        "hy_v4",
         "minimax-01", "minimax-m3", "qwen4exp",
     )},
 }

@@ -279,6 +279,13 @@ RECIPES: dict[str, Recipe] = {
                width_key=FFN_WIDTH, recurrent=True, recurrent_marker="kv_heads", plain_attention=True,
                positive_keys=("ssm.conv_kernel", "ssm.state_size", "ssm.time_step_rank"),
                mamba_inner_twice_embd=True),
+        # Granite 4.0-H: mamba2 blocks (0 KV heads, recurrent) and attention blocks, every block MoE
+        # (experts sized by feed_forward_length, gate optional) with a shared expert; the loader
+        # asserts ssm.inner_size = 2 x embedding_length.
+        Recipe("granitehybrid", (SPLIT, ("ffn_up_exps", "ffn_down_exps")),
+               _keys(FFN_WIDTH, *_SSM_KEYS), width_key=FFN_WIDTH, recurrent=True, recurrent_marker="kv_heads",
+               plain_attention=True, mamba_inner_twice_embd=True,
+               positive_keys=("ssm.conv_kernel", "ssm.state_size", "ssm.time_step_rank", "ssm.group_count")),
         # Its graph always builds a sliding-window input: no window (absent or 0) is a segfault.
         Recipe("afmoe", required_keys=_keys(EXPERT_WIDTH, "expert_shared_count", "attention.sliding_window"),
                plain_attention=True, positive_keys=("attention.sliding_window",)),

@@ -1036,6 +1036,45 @@ def _jamba_overrides(b: _Builder) -> dict[str, Any]:
     return {"n_head_kv": [b.n_head_kv if _jamba_attends(b, il) else 0 for il in range(b.spec.n_layer)]}
 
 
+# --- granitehybrid (Granite 4.0-H): mamba2 blocks and attention blocks, every block MoE -------------
+
+_MAMBA2 = (("d_state", 16), ("ssm_heads", 8), ("ssm_groups", 1), ("d_conv", 4))
+
+
+def _granitehybrid_layer(b: _Builder, il: int) -> None:
+    p, E, x = f"blk.{il}.", b.E, b.x
+    inner, S, H, G, K = 2 * E, x["d_state"], x["ssm_heads"], x["ssm_groups"], x["d_conv"]
+    b.ones(p + "attn_norm.weight", E)
+    if _jamba_attends(b, il):
+        _attn(b, p, norms=False)
+    else:
+        b.mat(p + "ssm_in.weight", (2 * inner + 2 * G * S + H, E), E ** -0.5)
+        b.f32(p + "ssm_conv1d.weight", (inner + 2 * G * S, K), K ** -0.5)
+        b.f32(p + "ssm_conv1d.bias", (inner + 2 * G * S,), SMALL_STD)
+        b.f32(p + "ssm_dt.bias", (H,), SMALL_STD)
+        b.const(p + "ssm_a", (H, 1), -1.0)
+        b.const(p + "ssm_d", (H, 1), 1.0)
+        b.const(p + "ssm_norm.weight", (G, inner // G), 1.0)
+        b.mat(p + "ssm_out.weight", (E, inner), inner ** -0.5)
+    b.ones(p + "ffn_norm.weight", E)
+    _router(b, p)
+    b.experts(p)
+    _shexp(b, p, b.F_shexp)
+
+
+def _granitehybrid_keys(w: GGUFWriter, b: _Builder) -> None:
+    a, x = "granitehybrid", b.x
+    w.add_uint32(f"{a}.feed_forward_length", b.F)  # the experts' width on this arch
+    w.add_uint32(f"{a}.expert_shared_feed_forward_length", b.F_shexp)
+    for key, value in GRANITE_SCALES:
+        w.add_float32(f"{a}.{key}", value)
+    w.add_uint32(f"{a}.ssm.conv_kernel", x["d_conv"])
+    w.add_uint32(f"{a}.ssm.inner_size", 2 * b.E)
+    w.add_uint32(f"{a}.ssm.state_size", x["d_state"])
+    w.add_uint32(f"{a}.ssm.time_step_rank", x["ssm_heads"])
+    w.add_uint32(f"{a}.ssm.group_count", x["ssm_groups"])
+
+
 FAMILIES: dict[str, Family] = {
     f.arch: f
     for f in (
@@ -1102,6 +1141,8 @@ FAMILIES: dict[str, Family] = {
         Family("hy_v3", _hy_v3_layer, _hy_v3_keys, min_layers=2, default_layers=3, fuses_gate_up=True),
         Family("jamba", _jamba_layer, _jamba_keys, min_layers=2, default_layers=4, overrides=_jamba_overrides,
                gate_optional=False, extra=_JAMBA),
+        Family("granitehybrid", _granitehybrid_layer, _granitehybrid_keys, min_layers=2, default_layers=4,
+               overrides=_jamba_overrides, gate_optional=True, extra=_MAMBA2),
         Family("afmoe", _afmoe_layer, _afmoe_keys, min_layers=2, default_layers=4,
                extra=(("n_shared", 1), ("sliding_window", 128))),
     )
