@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -44,10 +45,11 @@ class PerExpertGate(RoutingGate):
 
     event_type = PerExpertEvent
 
-    def __init__(self, modes: ComputeModes = SERIAL, fast_path: FastPath | None = None) -> None:
+    def __init__(self, modes: ComputeModes = SERIAL, fast_path: FastPath | None = None,
+                 ahead_reads: Callable[[int, float], int | None] | None = None) -> None:
         if modes.overlap is not None:
             raise ConfigError("overlap waits per projection or per expert, not both")
-        super().__init__(modes, fast_path)
+        super().__init__(modes, fast_path, ahead_reads)
 
     def _wait_point(self, event: RoutingEvent, layer: int) -> tuple[concurrent.futures.Future[None], bool]:
         assert isinstance(event, PerExpertEvent)

@@ -196,8 +196,7 @@ class Streamer:
         self.guard = parts.guard
         self.modes = modes
         fast_path = FastPath.over(residency.maps)
-        self.gate = gate_type(modes, fast_path)
-        self.gate.ahead_reads = self.reads_in
+        self.gate = gate_type(modes, fast_path, self.reads_in)
         self.io_threads = io_threads
         self._entry_bytes = residency.entry_bytes()
         self._largest_entry = max(self._entry_bytes.values(), default=0)

@@ -48,7 +48,8 @@ class RoutingGate:
     # What a routing that misses posts; a replay's modelled per-expert overlap posts its own.
     event_type: type[RoutingEvent] = RoutingEvent
 
-    def __init__(self, modes: ComputeModes = SERIAL, fast_path: FastPath | None = None) -> None:
+    def __init__(self, modes: ComputeModes = SERIAL, fast_path: FastPath | None = None,
+                 ahead_reads: Callable[[int, float], int | None] | None = None) -> None:
         self.fast_path = fast_path if fast_path is not None else FastPath.over([])
         self._resident = self.fast_path.resident
         self._fast_hits = self.fast_path.hits  # accounted by the cache writer on the loop thread
@@ -71,9 +72,9 @@ class RoutingGate:
         # Predictive read-ahead: a prediction waiting for the next routing event to carry it.
         self._ahead: tuple[int, tuple[int, ...]] | None = None
         # How many of a layer's experts reads land in a given time (layer, seconds -> count; None
-        # before any read is measured); set by the streamer. A batch's read-ahead is cut to what
+        # before any read is measured), from the streamer. A batch's read-ahead is cut to what
         # lands while the layer computes (see ``predict``).
-        self.ahead_reads: Callable[[int, float], int | None] | None = None
+        self.ahead_reads = ahead_reads
         self._resumed: float | None = None  # when compute last resumed after a routing
         self._blocked_at_resume = 0.0
         self.native: NativeRouting | None = None  # set by the eval callback when C serves routings
