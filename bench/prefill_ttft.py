@@ -30,7 +30,6 @@ import json
 from pathlib import Path
 
 from bmoe.engine.config import MiB, RunConfig
-from bmoe.engine.prefill import planner_of
 from bmoe.engine.session import Session
 from bmoe.io.pagecache import evict_file_cache
 from bmoe.io.probe import cache_dir, cached_probe
@@ -55,8 +54,7 @@ def prompt_of(session: Session, n_tokens: int) -> str:
 
 async def turn(session: Session, prompt: str, n: int) -> dict:
     g = await session.generate(prompt, n, stop_at_end=False)
-    planner = planner_of(session)
-    choice, rec = planner.last_choice, planner.last_prefill
+    choice, rec = session.prefill_choice, session.prefill_record
     return {
         "ttft_s": g.stats.prefill_s, "prompt_tokens": g.stats.prompt_tokens, "tokens": g.tokens,
         "prefill_bytes_read": rec.bytes_read if rec is not None else None,

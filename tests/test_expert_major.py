@@ -134,7 +134,6 @@ def test_chains_it_does_not_compute_are_refused_when_forced_and_skipped_by_auto(
 
 
 def test_auto_runs_expert_major_when_one_batch_would_break_the_budget(tiny) -> None:
-    from bmoe.engine.prefill import planner_of
 
     path = tiny.path(BIG)
 
@@ -142,7 +141,7 @@ def test_auto_runs_expert_major_when_one_batch_would_break_the_budget(tiny) -> N
         auto = RunConfig(mode="stream", n_ctx=256, cache_bytes=1 * MiB, force_cache=True)
         with Session.open(path, auto) as s:
             g = await s.generate(LONG, N_TOKENS, stop_at_end=False)
-            return g.tokens, planner_of(s).last_choice, s._callback.expert_major.layers_computed  # noqa: SLF001
+            return g.tokens, s.prefill_choice, s._callback.expert_major.layers_computed  # noqa: SLF001
 
     tokens, choice, layers = asyncio.run(go())
     assert choice.strategy == "expert" and layers > 0, choice.reason

@@ -14,7 +14,6 @@ import asyncio
 import pytest
 
 from bmoe.engine.config import MiB, RunConfig
-from bmoe.engine.prefill import planner_of
 from bmoe.engine.session import Session
 from bmoe.errors import ConfigError
 from bmoe.pipeline.events import PHASE_PREFILL
@@ -95,7 +94,7 @@ def test_auto_learns_and_keeps_resident_tokens(tiny) -> None:
         with Session.open(path, RunConfig(mode="stream", n_ctx=256, cache_bytes=64 * MIB)) as s:
             for prompt in (PROMPT, short):
                 outs.append((await s.generate(prompt, N, stop_at_end=False)).tokens)
-                choices.append(planner_of(s).last_choice)
+                choices.append(s.prefill_choice)
         return choices, outs
 
     (first, second), (_, out) = asyncio.run(go())
@@ -226,7 +225,7 @@ def test_a_session_whose_prompts_outgrow_the_cache_keeps_the_resident_tokens(tin
         with Session.open(path, config) as s:
             for p in prompts:
                 outs.append((await s.generate(p, 24, stop_at_end=False)).tokens)
-                choice = planner_of(s).last_choice
+                choice = s.prefill_choice
                 plans.append(choice.reason if choice is not None else "")
         return outs, plans
 

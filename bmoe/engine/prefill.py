@@ -1,8 +1,8 @@
 """Prefill strategies: how a session runs a prompt (one batch, expert-major, micro-batches, or token
 by token).
 
-``prefill_batches(session, tokens)`` returns the prompt's decode calls as an iterator the session
-consumes one call at a time. The strategy is forced by ``RunConfig.prefill``, or for ``auto``
+``PrefillPlanner.plan(tokens, last_stats)`` returns the prompt's decode calls as an iterator the
+session (or its step loop) consumes one call at a time. The strategy is forced by ``RunConfig.prefill``, or for ``auto``
 chosen by ``choose`` in ``bmoe.pipeline.prefill``: one batch (calls of the context's ``n_batch``
 tokens), or expert-major where the session can run it and one batch's expert union in some layer,
 expected from the experts the layer holds now and decode's measured hit rate, would exceed the
@@ -24,17 +24,19 @@ resident run of the same batching (llama.cpp sums in a different order for a bat
 tokens, so token-wise and batched resident runs may differ from each other: the gates compare each
 strategy with the resident run of that same strategy).
 
-State lives per session in a weak map, so a closed session takes its planner with it.
+Each session owns one planner, made with what it reads (the layout, the config, the context's
+batch, the streamer and expert-major compute): it never reaches into the session.
 """
 
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from bmoe.engine.config import RunConfig
+from bmoe.io.layout import ModelLayout
 from bmoe.pipeline.prefill import Choice, LayerCache, Rates, choose
 
 
@@ -52,9 +54,14 @@ class _PrefillRecord:
 
 
 class PrefillPlanner:
-    """Measurements of one session and the choice they lead to."""
+    """Measurements of one session and the choice they lead to. ``streaming``: the session's
+    ``Streamer`` (None when resident); ``expert_major``: its ``ExpertMajor`` compute (None where a
+    prompt cannot run expert-major), switched on for the calls of a prompt that does."""
 
-    def __init__(self) -> None:
+    def __init__(self, layout: ModelLayout, config: RunConfig, n_batch: int, streaming: Any = None,
+                 expert_major: Any = None) -> None:
+        self._layout, self._config, self._n_batch = layout, config, n_batch
+        self._streaming, self._em = streaming, expert_major
         self.batch_token_s: float | None = None  # batched prefill compute per token
         self.decode_compute_s: float | None = None  # one decode step's compute
         self.hit: float | None = None  # decode's hit rate
@@ -77,8 +84,20 @@ class PrefillPlanner:
                 if used > 0:
                     self.hit = (stats.cache_hits - rec.hits) / used
 
-    def rates(self, session: Any) -> Rates:
-        streaming = session._streaming
+    def _layers(self) -> list[LayerCache] | None:
+        streaming = self._streaming
+        if streaming is None:
+            return None
+        layout = self._layout
+        maps = streaming.residency.maps
+        entry = layout.entry_bytes()
+        return [
+            LayerCache(layout.n_expert, layout.n_expert_used, entry[il], int(maps[il].sum()))
+            for il in layout.moe_layers
+        ]
+
+    def rates(self) -> Rates:
+        streaming = self._streaming
         read_rate = None
         if streaming is not None:
             c = streaming.counters()
@@ -89,21 +108,22 @@ class PrefillPlanner:
             batch_compute_s_per_token=self.batch_token_s, hit=self.hit,
         )
 
-    def plan(self, session: Any, tokens: list[int]) -> Iterator[list[int]]:
-        self.learn(session.last_stats)
-        n_batch = session._model.n_batch
-        budget = session._streaming.cache.budget_bytes if session._streaming is not None else 0
+    def plan(self, tokens: list[int], last_stats: Any = None) -> Iterator[list[int]]:
+        """The calls of a prompt of ``tokens`` (``last_stats``: the previous generation's, which the
+        planner learns from first)."""
+        self.learn(last_stats)
+        budget = self._streaming.cache.budget_bytes if self._streaming is not None else 0
         choice = choose(
-            session.config.prefill, len(tokens), n_batch, _layers(session), self.rates(session), budget,
-            expert=session._callback.expert_major is not None,
+            self._config.prefill, len(tokens), self._n_batch, self._layers(), self.rates(), budget,
+            expert=self._em is not None,
         )
-
         self.last_choice = choice
-        return self._calls(session, tokens, choice.chunk)
+        return self._calls(tokens, choice.chunk)
 
-    def _calls(self, session: Any, tokens: list[int], chunk: int) -> Iterator[list[int]]:
-        before = session._streaming.counters() if session._streaming is not None else None
-        em = session._callback.expert_major
+    def _calls(self, tokens: list[int], chunk: int) -> Iterator[list[int]]:
+        streaming = self._streaming
+        before = streaming.counters() if streaming is not None else None
+        em = self._em
         expert = self.last_choice is not None and self.last_choice.strategy == "expert"
         t0 = time.perf_counter()
         try:
@@ -115,7 +135,7 @@ class PrefillPlanner:
             if em is not None:
                 em.enabled = False
         wall = time.perf_counter() - t0
-        after = session._streaming.counters() if session._streaming is not None else None
+        after = streaming.counters() if streaming is not None else None
         d = after - before if after is not None and before is not None else None
         rec = _PrefillRecord(
             len(tokens), chunk, wall, d.blocked_s if d else 0.0, d.hits - d.prefetch_useful if d else 0,
@@ -130,33 +150,4 @@ class PrefillPlanner:
             self.decode_compute_s = compute / len(tokens)
 
 
-def _layers(session: Any) -> list[LayerCache] | None:
-    streaming = session._streaming
-    if streaming is None:
-        return None
-    layout = session.layout
-    maps = streaming.residency.maps
-    entry = layout.entry_bytes()
-    return [
-        LayerCache(layout.n_expert, layout.n_expert_used, entry[il], int(maps[il].sum()))
-        for il in layout.moe_layers
-    ]
-
-
-_planners: weakref.WeakKeyDictionary[Any, PrefillPlanner] = weakref.WeakKeyDictionary()
-
-
-def planner_of(session: Any) -> PrefillPlanner:
-    planner = _planners.get(session)
-    if planner is None:
-        planner = _planners[session] = PrefillPlanner()
-    return planner
-
-
-def prefill_batches(session: Any, tokens: list[int]) -> Iterator[list[int]]:
-    """The prompt's decode calls for ``session`` (call it before the new generation's stats
-    replace ``session.last_stats``: the planner learns from the previous one)."""
-    return planner_of(session).plan(session, tokens)
-
-
-__all__ = ["PrefillPlanner", "planner_of", "prefill_batches"]
+__all__ = ["PrefillPlanner"]

@@ -28,7 +28,7 @@ from bmoe.engine.assembly import Run, assemble
 from bmoe.engine.config import RunConfig, check_cache_bytes
 from bmoe.engine.lossy import load_overrides
 from bmoe.engine.pieces import Generation, Piece, Usage
-from bmoe.engine.prefill import planner_of, prefill_batches
+from bmoe.engine.prefill import PrefillPlanner
 from bmoe.engine.sampling import (
     GREEDY,
     Sampler,
@@ -105,6 +105,8 @@ class Session:
         # any thread: the teardown waits for them before it frees the model under them.
         self._native_calls = 0
         self._native_done = threading.Condition()
+        # How a prompt runs (bmoe.engine.prefill): what it reads is handed over, never the session.
+        self._planner = PrefillPlanner(run.layout, config, model.n_batch, run.streamer, run.callback.expert_major)
         # Many sequences or drafts: the step loop owns the context (bmoe.engine.scheduler).
         self._scheduler = Scheduler(self) if config.stepped else None
 
@@ -337,10 +339,10 @@ class Session:
             reused = self._reuse_prefix(tokens, self.config.reuse_prompt if reuse_prompt is None else reuse_prompt)
             # The prompt's decode calls (token-wise, micro-batches or whole batches: a cost model's
             # choice). Asked before last_stats moves on: the planner learns from the previous one.
-            batches = prefill_batches(self, tokens[reused:])
+            batches = self._planner.plan(tokens[reused:], self.last_stats)
             sampler = Sampler(model.vocab, model.n_vocab, sampling, tokens)
             stats = self._new_stats(len(tokens))
-            choice = planner_of(self).last_choice  # what prefill_batches just chose, and why
+            choice = self._planner.last_choice  # what plan just chose, and why
             if choice is not None:
                 stats.prefill_strategy, stats.prefill_reason = choice.strategy, choice.reason
             self.last_stats = stats
@@ -579,10 +581,10 @@ class Session:
 
     def _plan_prompt(self, tokens: list[int]):  # noqa: ANN202 - an iterator of token chunks
         """A prompt's decode calls, as the prefill planner chooses them (the scheduler's prompts)."""
-        return prefill_batches(self, tokens)
+        return self._planner.plan(tokens, self.last_stats)
 
     def _prompt_choice(self):  # noqa: ANN202 - a bmoe.pipeline.prefill.Choice or None
-        return planner_of(self).last_choice
+        return self._planner.last_choice
 
     def _token_metrics(self, index: int, token: int, m: _Measure, start: Counters | None) -> TokenMetrics:
         d = m.delta
@@ -675,6 +677,15 @@ class Session:
         if self.generating:
             return False
         return self._streaming.tick() is not None
+
+    @property
+    def prefill_choice(self):  # noqa: ANN201 - a bmoe.pipeline.prefill.Choice, or None
+        """How the last prompt ran (one batch, expert-major, micro-batches, token by token) and why."""
+        return self._planner.last_choice
+
+    @property
+    def prefill_record(self):  # noqa: ANN201 - what the last prompt's calls read and took, or None
+        return self._planner.last_prefill
 
     @property
     def generating(self) -> bool:
