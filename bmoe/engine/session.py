@@ -414,13 +414,14 @@ class Session:
     async def generate(
         self, prompt: str | Sequence[int], max_tokens: int = 64, *, sampling: SamplingParams | None = None,
         stop: Sequence[str] | str | None = None, stop_at_end: bool = True, special: bool = False,
+        reuse_prompt: bool | None = None,
     ) -> Generation:
         """``stream`` gathered: the tokens, the text, why it finished, usage and stats."""
         out = Generation()
         parts = []
         logprobs = []
         async for piece in self.stream(prompt, max_tokens, sampling=sampling, stop=stop,
-                                       stop_at_end=stop_at_end, special=special):
+                                       stop_at_end=stop_at_end, special=special, reuse_prompt=reuse_prompt):
             if piece.token is not None:
                 out.tokens.append(piece.token)
             if piece.logprob is not None:

@@ -155,9 +155,8 @@ class SyncSession:
     ) -> Generation:
         self._begin()
         kw = dict(sampling=sampling, stop=stop, stop_at_end=stop_at_end, special=special)
-        if self._take_reset() is None:
-            return self._call(lambda: self.session.generate(prompt, max_tokens, **kw))
-        return self._call(lambda: _gathered(self.session, prompt, max_tokens, **kw))
+        reuse = None if self._take_reset() is None else False  # after a reset: from the first token
+        return self._call(lambda: self.session.generate(prompt, max_tokens, reuse_prompt=reuse, **kw))
 
     def create_completion(self, prompt: str | Sequence[int], **kwargs: Any) -> Any:
         """llama-cpp-python's ``create_completion``: a dict, or an iterator of chunk dicts."""
@@ -298,23 +297,3 @@ class SyncSession:
 
 async def _call_async(fn: Any, *args: Any, **kwargs: Any) -> Any:
     return fn(*args, **kwargs)
-
-
-async def _gathered(session: Session, prompt: str | Sequence[int], max_tokens: int, *,
-                    sampling: SamplingParams | None, **kw: Any) -> Generation:
-    """``Session.generate`` after a ``reset()``: its stream gathered the same way, from the first
-    prompt token (``Session.generate`` takes no ``reuse_prompt``)."""
-    out = Generation()
-    parts, logprobs = [], []
-    async for piece in session.stream(prompt, max_tokens, sampling=sampling, reuse_prompt=False, **kw):
-        if piece.token is not None:
-            out.tokens.append(piece.token)
-        if piece.logprob is not None:
-            logprobs.append(piece.logprob)
-        parts.append(piece.text)
-        if piece.finish_reason is not None:
-            out.finish_reason, out.usage = piece.finish_reason, piece.usage
-    out.text = "".join(parts)
-    out.stats = session.last_stats
-    out.logprobs = logprobs if sampling is not None and sampling.logprobs is not None else None
-    return out
