@@ -86,7 +86,8 @@ class Server:
     def probe(self) -> dict:
         """RSS (MiB), open fds, threads and mapping lines of the server process, now."""
         pid = self.proc.pid
-        rss = next(int(line.split()[1]) for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS"))
+        with open(f"/proc/{pid}/status") as f:
+            rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
         with open(f"/proc/{pid}/maps") as f:
             maps = sum(1 for _ in f)
         return {"rss_mib": round(rss / 1024, 1), "fds": len(os.listdir(f"/proc/{pid}/fd")),
