@@ -134,9 +134,11 @@ def one_request(url: str, prompt: str, max_tokens: int) -> float:
     return first
 
 
-def measure_server(path: Path, base: dict, clients: list[int], requests: int, max_tokens: int) -> list[dict]:
+def measure_server(path: Path, base: dict, clients: list[int], requests: int, max_tokens: int,
+                   parallel: int = 1) -> list[dict]:
     rows = []
-    with Session.open(path, RunConfig(**base)) as session, Served(session, max(clients)) as served:
+    config = RunConfig(**{**base, "n_ctx": max(base["n_ctx"], 1024 * parallel)}, parallel=parallel)
+    with Session.open(path, config) as session, Served(session, max(clients)) as served:
         one_request(served.url, "warm up", 2)
         for c in clients:
             ttfts: list[float] = []
@@ -158,7 +160,7 @@ def measure_server(path: Path, base: dict, clients: list[int], requests: int, ma
             q = statistics.quantiles(ttfts, n=20, method="inclusive")
             rows.append({"clients": c, "requests": len(ttfts), "requests_per_s": round(len(ttfts) / wall, 3),
                          "ttft_p50_s": round(statistics.median(ttfts), 3), "ttft_p95_s": round(q[18], 3),
-                         "max_tokens": max_tokens})
+                         "max_tokens": max_tokens, "parallel": parallel})
     return rows
 
 
@@ -174,6 +176,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4, help="requests per client")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("-t", "--threads", type=int, default=None)
+    ap.add_argument("--parallel", default="1", help="server --parallel values to measure, e.g. 1,4 (the server part)")
+    ap.add_argument("--server-only", action="store_true", help="skip the prompt-reuse part")
     args = ap.parse_args()
     spec = SynthSpec(like="qwen3-30b-a3b", n_layer=args.layers, wtype="q4_0")
     path = args.model or cache_dir() / "bench" / spec.file_name()
@@ -183,9 +187,11 @@ def main() -> None:
         write_synth(path, spec)
     cache = None if args.cache_mb == "auto" else int(float(args.cache_mb) * MiB)
     base = {"cache_bytes": cache, "n_ctx": 2048, "n_threads": args.threads}
-    reuse = measure_reuse(path, base, args.rounds, args.prompt_tokens, args.follow_tokens)
+    reuse = None if args.server_only else measure_reuse(path, base, args.rounds, args.prompt_tokens, args.follow_tokens)
     print(json.dumps({"reuse": reuse}), file=sys.stderr)
-    server = measure_server(path, base, [int(c) for c in args.clients.split(",")], args.requests, args.max_tokens)
+    server = [row for p in (int(x) for x in args.parallel.split(","))
+              for row in measure_server(path, base, [int(c) for c in args.clients.split(",")], args.requests,
+                                        args.max_tokens, p)]
     print(json.dumps({
         "model": str(path), "cache": args.cache_mb, "how": (
             "TTFT = wall time from the call (or the HTTP request) to the first piece (or first SSE chunk); "
