@@ -234,10 +234,6 @@ class Scheduler:
         """A sequence is waiting or running."""
         return bool(self._waiting or self._active)
 
-    @property
-    def running(self) -> int:
-        return len(self._active)
-
     def slot_view(self) -> list[dict[str, object]]:
         """Each sequence slot: what it does now (``/slots``)."""
         out = []
