@@ -39,6 +39,7 @@ from typing import Any, Protocol
 from bmoe.engine.config import RunConfig
 from bmoe.engine.drafts import NgramDrafter
 from bmoe.engine.pieces import Piece, Usage
+from bmoe.engine.prefill import PrefillPlanner
 from bmoe.engine.sampling import Sampler, SamplingParams, logprobs_of
 from bmoe.engine.stops import StopStrings
 from bmoe.errors import DecodeAbortedError, GenerationCancelled, SessionClosedError
@@ -57,6 +58,7 @@ class StepHost(Protocol):
     _callback: Any  # a bmoe.llama.callback.EvalCallback: its gate and expert-major
     _streaming: Any  # a bmoe.engine.streaming.Streamer, or None when resident
     _watch: Any  # a bmoe.io.watch.FileWatch, or None
+    _planner: PrefillPlanner  # how a prompt runs: its chunks, one batch or expert-major
     last_stats: GenerationStats | None
     last_usage: Usage | None
 
@@ -65,9 +67,8 @@ class StepHost(Protocol):
 
     async def _measured_step(self, step: Step, n: int, phase: int) -> Any: ...
 
-    def _plan_prompt(self, tokens: list[int]) -> Iterator[list[int]]: ...
-
-    def _prompt_choice(self) -> Any: ...
+    @property
+    def prefill_choice(self) -> Any: ...
 
     def _new_stats(self, prompt_tokens: int) -> GenerationStats: ...
 
@@ -354,8 +355,8 @@ class Scheduler:
             slot.kv = slot.kv[:reused]
             seq.slot, seq.reused = slot, reused
             seq.todo = len(seq.prompt) - reused
-            seq.batches = self.host._plan_prompt(seq.prompt[reused:])
-            choice = self.host._prompt_choice()
+            seq.batches = self.host._planner.plan(seq.prompt[reused:], self.host.last_stats)
+            choice = self.host.prefill_choice
             if choice is not None:
                 seq.stats.prefill_strategy, seq.stats.prefill_reason = choice.strategy, choice.reason
             seq.start = self.host._counters()

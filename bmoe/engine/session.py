@@ -342,7 +342,7 @@ class Session:
             batches = self._planner.plan(tokens[reused:], self.last_stats)
             sampler = Sampler(model.vocab, model.n_vocab, sampling, tokens)
             stats = self._new_stats(len(tokens))
-            choice = self._planner.last_choice  # what plan just chose, and why
+            choice = self.prefill_choice  # what plan just chose, and why
             if choice is not None:
                 stats.prefill_strategy, stats.prefill_reason = choice.strategy, choice.reason
             self.last_stats = stats
@@ -541,7 +541,7 @@ class Session:
     async def _measured_decode(self, batches: list[list[int]], step: int, phase: int, position: int) -> _Measure:
         """Decode calls with their measurement; ``position`` is the route trace's step of the first
         token (prompt index in prefill, decode iteration in decode)."""
-        before, sample, t0 = self._counters(), ProcessSample.now(), time.perf_counter()
+        mark = self._mark()
         for tokens in batches:
             if self._stopping:
                 raise GenerationCancelled("generation cancelled")
@@ -566,26 +566,24 @@ class Session:
                 self._recorder.end_call()
             step += 1
             position += len(tokens)
-        wall = time.perf_counter() - t0
-        after = self._counters()
-        delta = after - before if after is not None and before is not None else None
-        return _Measure(wall, delta, after, sample, ProcessSample.now(), step)
+        return self._measured_since(mark, step)
 
     async def _measured_step(self, step: Step, n: int, phase: int) -> _Measure:
         """One step of the scheduler with its measurement (``n``: the step's number)."""
-        before, sample, t0 = self._counters(), ProcessSample.now(), time.perf_counter()
+        mark = self._mark()
         await self._decode(step, n, phase)  # type: ignore[arg-type]
+        return self._measured_since(mark, n + 1)
+
+    def _mark(self) -> tuple[Counters | None, ProcessSample, float]:
+        """Where a measurement starts: the pipeline counters, the process sample, the clock."""
+        return self._counters(), ProcessSample.now(), time.perf_counter()
+
+    def _measured_since(self, mark: tuple[Counters | None, ProcessSample, float], next_step: int) -> _Measure:
+        before, sample, t0 = mark
         wall = time.perf_counter() - t0
         after = self._counters()
         delta = after - before if after is not None and before is not None else None
-        return _Measure(wall, delta, after, sample, ProcessSample.now(), n + 1)
-
-    def _plan_prompt(self, tokens: list[int]):  # noqa: ANN202 - an iterator of token chunks
-        """A prompt's decode calls, as the prefill planner chooses them (the scheduler's prompts)."""
-        return self._planner.plan(tokens, self.last_stats)
-
-    def _prompt_choice(self):  # noqa: ANN202 - a bmoe.pipeline.prefill.Choice or None
-        return self._planner.last_choice
+        return _Measure(wall, delta, after, sample, ProcessSample.now(), next_step)
 
     def _token_metrics(self, index: int, token: int, m: _Measure, start: Counters | None) -> TokenMetrics:
         d = m.delta
